@@ -1,0 +1,3 @@
+from deltafuse.cli import main
+
+raise SystemExit(main())

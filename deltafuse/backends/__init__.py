@@ -1,0 +1,53 @@
+"""Which implementation serves each op: the registry and the candidates of every op."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from deltafuse.backends.registry import (  # noqa: F401  (re-exported)
+    REGISTRY,
+    BackendError,
+    CallInfo,
+    Candidate,
+    Decision,
+    Registry,
+    call_info,
+)
+from deltafuse.config import check_backend
+
+_override: list[str | None] = [None]
+
+
+def set_backend_override(name: str | None) -> None:
+    """Force a backend for every op (``apply(backend=...)``); None returns to the environment."""
+    _override[0] = None if name is None else check_backend("backend", name)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_backend_env(raw: str | None) -> str:
+    if raw is None or raw.strip() == "":
+        return "auto"
+    return check_backend("DELTAFUSE_BACKEND", raw)
+
+
+def current_backend() -> str:
+    """The forced backend in effect: apply()'s argument, else DELTAFUSE_BACKEND, else 'auto'."""
+    if _override[0] is not None:
+        return _override[0]
+    return _parse_backend_env(os.environ.get("DELTAFUSE_BACKEND"))
+
+
+def select(op: str, call: CallInfo, backend: str | None = None):
+    """The implementation of ``op`` for ``call`` (backend None = the one in effect)."""
+    return REGISTRY.select(op, call, current_backend() if backend is None else check_backend("backend", backend))
+
+
+def _register_all() -> None:
+    from deltafuse.backends import conv1d, gated_delta
+
+    gated_delta.register(REGISTRY)
+    conv1d.register(REGISTRY)
+
+
+_register_all()

@@ -1,0 +1,69 @@
+"""The `deltafuse` command: info, verify, train, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _info(args) -> int:
+    from deltafuse.info import format_info, info
+
+    report = info()
+    print(json.dumps(report, indent=2) if args.json else format_info(report))
+    return 0
+
+
+LAZY = {
+    "verify": ("deltafuse.verify", "stock vs deltafuse: loss, logits and every gradient"),
+    "train": ("deltafuse.train.cli", "LoRA or full fine-tuning with padding-free packing"),
+    "bench": ("deltafuse.bench.cli", "the ON/OFF experiment (e2e) and per-op timings (ops)"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the module of ``command`` is imported (so `deltafuse info` stays light)."""
+    from deltafuse import __version__
+
+    parser = argparse.ArgumentParser(prog="deltafuse", description=(
+        "Fast, correct gated-delta-rule hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) in transformers."))
+    parser.add_argument("--version", action="version", version=f"deltafuse {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{info,verify,train,bench}")
+    sub.required = True
+
+    p = sub.add_parser("info", help="which implementation serves each op on each device, and why")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_info)
+
+    for name, (module, help_text) in LAZY.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == command:
+            _lazy_arguments(p, module)
+    return parser
+
+
+def _lazy_arguments(parser: argparse.ArgumentParser, module_name: str) -> None:
+    import importlib
+
+    module = importlib.import_module(module_name)
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from deltafuse.config import SettingsError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in LAZY else None)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except SettingsError as exc:
+        print(f"deltafuse: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""Public causal depthwise conv1d ops (the GDN layer's short convolution), causal-conv1d's signatures."""
+
+from __future__ import annotations
+
+import torch
+
+from deltafuse import backends
+from deltafuse.backends.conv1d import CONV, CONV_UPDATE
+from deltafuse.ops import _checks as check
+
+ACTIVATIONS = (None, "silu", "swish")
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _activation(activation):
+    if activation not in ACTIVATIONS:
+        check.fail(f"activation={activation!r} is not supported; allowed: None, 'silu', 'swish'")
+    return None if activation is None else "silu"
+
+
+def _weight_bias(x, weight, bias):
+    C = x.shape[1]
+    check.tensor("weight", weight, 2)
+    if weight.shape[0] != C:
+        check.fail(f"weight must be [C, W] with C={C} channels of x, got {check.shape(weight)}")
+    if bias is not None:
+        check.tensor("bias", bias, 1)
+        if bias.shape != (C,):
+            check.fail(f"bias must be [C] = ({C},), got {check.shape(bias)}")
+
+
+def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     seq_idx: torch.Tensor | None = None, initial_states: torch.Tensor | None = None,
+                     return_final_states: bool = False, final_states_out: torch.Tensor | None = None,
+                     activation: str | None = None, cu_seqlens: torch.Tensor | None = None, **kwargs):
+    """Causal depthwise conv1d over x [B, C, T] with weight [C, W], resetting at sequence boundaries.
+
+    Boundaries come from ``seq_idx`` [B, T] (a sequence id per token) or ``cu_seqlens`` (B must be 1).
+    ``initial_states`` [B, C, W-1] continues a previous segment; ``return_final_states`` also returns the
+    last W-1 inputs [B, C, W-1] (written into ``final_states_out`` when given). Returns out [B, C, T] in
+    x's dtype, or (out, final_states).
+    """
+    backend = kwargs.pop("backend", None)
+    check.tensor("x", x, 3)
+    B, C, T = x.shape
+    _weight_bias(x, weight, bias)
+    act = _activation(activation)
+    W = weight.shape[1]
+    if seq_idx is not None:
+        check.tensor("seq_idx", seq_idx, 2, INT_DTYPES)
+        if seq_idx.shape != (B, T):
+            check.fail(f"seq_idx must be [B, T] = {(B, T)}, got {check.shape(seq_idx)}")
+    if cu_seqlens is not None:
+        if seq_idx is not None:
+            check.fail("pass sequence boundaries as seq_idx or as cu_seqlens, not both")
+        check.cu_seqlens(cu_seqlens, B, T)
+    for name, t in (("initial_states", initial_states), ("final_states_out", final_states_out)):
+        if t is not None:
+            check.tensor(name, t, 3)
+            if t.shape != (B, C, W - 1):
+                check.fail(f"{name} must be [B, C, W-1] = {(B, C, W - 1)}, got {check.shape(t)}")
+    check.same_device("x", x, weight=weight, bias=bias, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                      initial_states=initial_states, final_states_out=final_states_out)
+    impl = backends.select(CONV, backends.call_info(x, weight, bias, initial_states), backend)
+    return impl(x, weight, bias, activation=act, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                initial_states=initial_states, return_final_states=return_final_states,
+                final_states_out=final_states_out)
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None, activation: str | None = None, **kwargs):
+    """One decoding step (or a few): x [B, C, T_new]; conv_state [B, C, S >= W-1] is updated in place."""
+    backend = kwargs.pop("backend", None)
+    check.tensor("x", x, 3)
+    B, C, _ = x.shape
+    _weight_bias(x, weight, bias)
+    act = _activation(activation)
+    check.tensor("conv_state", conv_state, 3)
+    if conv_state.shape[:2] != (B, C) or conv_state.shape[2] < weight.shape[1] - 1:
+        check.fail(f"conv_state must be [B, C, S] with B={B}, C={C}, S >= W-1 = {weight.shape[1] - 1}, "
+                   f"got {check.shape(conv_state)}")
+    check.same_device("x", x, conv_state=conv_state, weight=weight, bias=bias)
+    impl = backends.select(CONV_UPDATE, backends.call_info(x, weight, bias), backend)
+    return impl(x, conv_state, weight, bias, act)

@@ -1,0 +1,91 @@
+"""Public gated delta rule ops with FLA's signatures; the registry picks the implementation per call."""
+
+from __future__ import annotations
+
+import torch
+
+from deltafuse import backends
+from deltafuse.backends.gated_delta import CHUNK, RECURRENT
+from deltafuse.ops import _checks as check
+
+QKV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs):
+    if kwargs.pop("head_first", False):
+        check.fail("head_first=True is not supported; pass [B, T, H, D] tensors (head_first=False)")
+    backend = kwargs.pop("backend", None)
+    for name in ("chunk_size", "cu_seqlens_cpu", "chunk_indices", "seq_idx"):
+        kwargs.pop(name, None)  # accepted for FLA/transformers compatibility; derived internally
+    if kwargs:
+        # transformers forwards its attention kwargs (cu_seq_lens_k, max_length_q, ...): ignore those,
+        # but never a keyword that would change the maths.
+        known_extra = {"cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "output_attentions",
+                       "use_cache", "attention_mask"}
+        unknown = sorted(set(kwargs) - known_extra)
+        if unknown:
+            check.fail(f"unexpected keyword argument(s) {unknown}; see deltafuse.ops.chunk_gated_delta_rule")
+    check.tensor("q", q, 4, QKV_DTYPES)
+    check.tensor("k", k, 4, QKV_DTYPES)
+    check.tensor("v", v, 4, QKV_DTYPES)
+    check.tensor("g", g, 3)
+    check.tensor("beta", beta, 3)
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        check.fail(f"k must have q's shape {check.shape(q)} [B, T, H, K], got {check.shape(k)}")
+    if v.shape[:2] != (B, T):
+        check.fail(f"v must be [B, T, HV, V] with B={B}, T={T} as q, got {check.shape(v)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        check.fail(f"v has HV={HV} value heads, which is not a multiple of the H={H} query/key heads")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        check.fail(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (B, T, HV):
+            check.fail(f"{name} must be [B, T, HV] = {(B, T, HV)}, got {check.shape(t)}")
+    check.same_device("q", q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    n = B
+    if cu_seqlens is not None:
+        n = check.cu_seqlens(cu_seqlens, B, T)
+    if initial_state is not None:
+        check.tensor("initial_state", initial_state, 4)
+        if initial_state.shape != (n, HV, K, V):
+            what = "len(cu_seqlens) - 1" if cu_seqlens is not None else "B"
+            check.fail(f"initial_state must be [N, HV, K, V] = {(n, HV, K, V)} with N = {what}, "
+                       f"got {check.shape(initial_state)}")
+    if scale is None:
+        scale = K**-0.5
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        check.fail(f"scale must be a float or None (K**-0.5), got {scale!r}")
+    return float(scale), backend
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, scale: float | None = None,
+                           initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                           use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None,
+                           **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule over a whole sequence (training and prefill), FLA's signature and layouts.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head hv reads q/k head
+    hv // (HV // H)); g: [B, T, HV] log-space decay; beta: [B, T, HV]; initial_state: [N, HV, K, V] fp32;
+    cu_seqlens: offsets of packed sequences (B must be 1). Returns (o [B, T, HV, V] in q's dtype,
+    final state [N, HV, K, V] fp32 or None). ``backend=`` may force 'triton', 'fla' or 'torch'.
+    """
+    scale, backend = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
+    call = backends.call_info(q, k, v, g, beta, initial_state)
+    impl = backends.select(CHUNK, call, backend)
+    return impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                     beta: torch.Tensor, scale: float | None = None,
+                                     initial_state: torch.Tensor | None = None,
+                                     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                                     cu_seqlens: torch.Tensor | None = None,
+                                     **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token gated delta rule (decoding), same signature and layouts as chunk_gated_delta_rule."""
+    scale, backend = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
+    call = backends.call_info(q, k, v, g, beta, initial_state)
+    impl = backends.select(RECURRENT, call, backend)
+    return impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up a virtual environment for deltafuse (default .venv) and install the package with its extras.
+#   scripts/setup.sh [VENV_DIR] [TRANSFORMERS_SPEC]
+# The venv sees the system's site-packages, so a torch the user already has is reused, never replaced.
+# With no torch present, torch==2.13.0 is installed (a CPU build on CPU-only machines that carry it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${1:-.venv}"
+TRANSFORMERS_SPEC="${2:-}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv --system-site-packages "$VENV"
+fi
+VPY="$VENV/bin/python"
+pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
+
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  echo "setup: no torch found; installing torch==2.13.0"
+  pip_q "torch==2.13.0"
+else
+  echo "setup: using the installed torch $("$VPY" -c 'import torch; print(torch.__version__)')"
+fi
+# one resolver run, so no extra can move transformers off the requested version
+pip_q -e ".[test,train]" $TRANSFORMERS_SPEC
+"$VPY" -c "import torch, transformers; print('setup: torch', torch.__version__, '| transformers', transformers.__version__)"

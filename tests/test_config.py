@@ -1,0 +1,60 @@
+import warnings
+
+import pytest
+
+from deltafuse.config import Settings, SettingsError, load_settings, resolve
+
+
+def test_defaults_all_on():
+    assert load_settings({}) == Settings(patch=True, gdn=True, fused_ops=True, moe=True, backend="auto")
+
+
+@pytest.mark.parametrize("word,value", [("1", True), ("TRUE", True), ("Yes", True), ("on", True),
+                                        ("0", False), ("false", False), ("NO", False), ("Off", False)])
+def test_switch_words(word, value):
+    s = load_settings({"DELTAFUSE_GDN": word, "DELTAFUSE_MOE": word})
+    assert s.gdn is value and s.moe is value and s.patch is True
+
+
+@pytest.mark.parametrize("var", ["DELTAFUSE_PATCH", "DELTAFUSE_GDN", "DELTAFUSE_FUSED_OPS", "DELTAFUSE_MOE",
+                                 "TWINKLE_NPU_PATCH", "TWINKLE_NPU_FLA"])
+def test_bad_switch_value_names_variable_and_allowed(var):
+    with pytest.raises(SettingsError) as err:
+        load_settings({var: "maybe"})
+    msg = str(err.value)
+    assert var in msg and "'maybe'" in msg and "on" in msg and "off" in msg
+
+
+def test_backend_values():
+    assert load_settings({"DELTAFUSE_BACKEND": "Triton"}).backend == "triton"
+    with pytest.raises(SettingsError, match="DELTAFUSE_BACKEND='cuda'.*auto, triton, fla, torch"):
+        load_settings({"DELTAFUSE_BACKEND": "cuda"})
+
+
+@pytest.mark.parametrize("alias,field", [("TWINKLE_NPU_PATCH", "patch"), ("TWINKLE_NPU_FUSED_OPS", "fused_ops"),
+                                         ("TWINKLE_NPU_MOE_PATCH", "moe"), ("TWINKLE_NPU_FLA", "gdn")])
+def test_aliases(alias, field):
+    assert getattr(load_settings({alias: "0"}), field) is False
+
+
+def test_alias_disagreement_ours_wins_with_warning():
+    with pytest.warns(UserWarning, match="DELTAFUSE_MOE.*TWINKLE_NPU_MOE_PATCH.*disagree"):
+        s = load_settings({"DELTAFUSE_MOE": "on", "TWINKLE_NPU_MOE_PATCH": "off"})
+    assert s.moe is True
+
+
+def test_alias_agreement_is_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_settings({"DELTAFUSE_GDN": "off", "TWINKLE_NPU_FLA": "0"}).gdn is False
+
+
+def test_resolve_overrides_and_rejects():
+    base = load_settings({"DELTAFUSE_GDN": "0"})
+    assert resolve(base, gdn=True, moe=None).gdn is True
+    assert resolve(base, gdn=None).gdn is False
+    assert resolve(base, backend="torch").backend == "torch"
+    with pytest.raises(SettingsError, match="gdn='yes'"):
+        resolve(base, gdn="yes")
+    with pytest.raises(SettingsError, match="backend='gpu'"):
+        resolve(base, backend="gpu")

@@ -1,0 +1,44 @@
+"""Small helpers shared by the test suite."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error rms(a - b) / rms(b), computed in float64 over every element.
+
+    ``b`` is the reference. Shapes must match exactly. Returns 0.0 when both are all zeros (or empty) and
+    inf when only the reference is; NaN or inf anywhere in ``a`` gives NaN/inf, never a small number.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"rel_rms needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+    a = a.detach().to(torch.float64)
+    b = b.detach().to(torch.float64)
+    if a.numel() == 0:
+        return 0.0
+    err = (a - b).pow(2).mean().sqrt().item()
+    ref = b.pow(2).mean().sqrt().item()
+    if ref == 0.0:
+        return 0.0 if err == 0.0 else float("inf")
+    return err / ref
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, name: str = "tensor",
+                     peak: float = 30.0) -> None:
+    """Assert ``actual`` matches the reference ``expected`` element by element.
+
+    Checks that shapes match, every element of ``actual`` is finite, rel_rms(actual, expected) <= tol, and
+    no single element is off by more than ``peak * tol * rms(expected)`` (so one wrong token or head cannot
+    hide inside a small average).
+    """
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values"
+    err = rel_rms(actual, expected)
+    assert err <= tol, f"{name}: rel_rms {err:.3e} > {tol:.1e}"
+    if actual.numel():
+        a, b = actual.detach().double(), expected.detach().double()
+        scale = b.pow(2).mean().sqrt().item()
+        worst = (a - b).abs().max().item()
+        assert worst <= peak * tol * scale, (
+            f"{name}: max abs error {worst:.3e} > {peak:g} * {tol:.1e} * rms(reference) {scale:.3e}")

@@ -44,10 +44,10 @@ def select(op: str, call: CallInfo, backend: str | None = None):
 
 
 def _register_all() -> None:
-    from deltafuse.backends import conv1d, gated_delta
+    from deltafuse.backends import conv1d, gated_delta, norm, rope, swiglu
 
-    gated_delta.register(REGISTRY)
-    conv1d.register(REGISTRY)
+    for module in (gated_delta, conv1d, norm, rope, swiglu):
+        module.register(REGISTRY)
 
 
 _register_all()

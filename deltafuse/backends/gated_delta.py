@@ -2,55 +2,25 @@
 
 from __future__ import annotations
 
-import torch
-
 from deltafuse.backends import probes
+from deltafuse.backends.common import (FLOATS, load_attr, torch_supports, triton_auto_skip, triton_available,
+                                       triton_supports)
 from deltafuse.backends.registry import CallInfo, Candidate, Registry
 
 CHUNK = "chunk_gated_delta_rule"
 RECURRENT = "fused_recurrent_gated_delta_rule"
-FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+CHUNK_KERNEL = "deltafuse.ops.gated_delta.chunk"
+RECURRENT_KERNEL = "deltafuse.ops.gated_delta.recurrent"
+REFERENCE = "deltafuse.ops.gated_delta.reference"
 
 
-# --- our Triton kernels -------------------------------------------------------------------------------
-def _triton_available(module: str):
-    def check() -> str | None:
-        if probes.triton_version() is None:
-            return probes.import_error("triton") or "triton is not installed"
-        return probes.import_error(module)
-
-    return check
+def _triton_recurrent_supports(call: CallInfo) -> str | None:
+    if call.needs_grad:
+        return "the recurrent Triton kernel has no backward (decoding only)"
+    return triton_supports(call)
 
 
-def _triton_supports(call: CallInfo) -> str | None:
-    if call.device.type == "cuda":
-        if torch.version.hip is not None:
-            return "ROCm is not verified for deltafuse's Triton kernels"
-        return None if call.dtype in FLOATS else f"dtype {call.dtype} is not one of fp16, bf16, fp32"
-    if call.device.type == "cpu" and probes.triton_interpreting():
-        return None if call.dtype == torch.float32 else "the Triton interpreter emulates fp32 only"
-    return f"Triton kernels run on CUDA devices (or CPU under TRITON_INTERPRET=1), not {call.device.type}"
-
-
-def _triton_auto_skip(call: CallInfo) -> str | None:
-    if call.device.type == "cpu":
-        return "interpreted Triton on CPU serves only when forced (backend='triton')"
-    return None
-
-
-def _load_triton_chunk():
-    from deltafuse.ops.gated_delta.chunk import chunk_gated_delta_rule_triton
-
-    return chunk_gated_delta_rule_triton
-
-
-def _load_triton_recurrent():
-    from deltafuse.ops.gated_delta.recurrent import fused_recurrent_gated_delta_rule_triton
-
-    return fused_recurrent_gated_delta_rule_triton
-
-
-# --- flash-linear-attention --------------------------------------------------------------------------
+# --- flash-linear-attention ------------------------------------------------------------------------------
 def _fla_available() -> str | None:
     return probes.import_error("fla.ops.gated_delta_rule")
 
@@ -72,72 +42,44 @@ def fla_backward_known_bad(call: CallInfo) -> str | None:
     return None
 
 
-def _fla_wrap(fn):
-    def run(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
-            use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-        return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                  cu_seqlens=cu_seqlens)
+def _load_fla(name: str):
+    def load():
+        import importlib
 
-    return run
+        fn = getattr(importlib.import_module("fla.ops.gated_delta_rule"), name)
 
+        def run(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+            return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                      cu_seqlens=cu_seqlens)
 
-def _load_fla_chunk():
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        return run
 
-    return _fla_wrap(chunk_gated_delta_rule)
-
-
-def _load_fla_recurrent():
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-    return _fla_wrap(fused_recurrent_gated_delta_rule)
-
-
-# --- deltafuse's torch reference ---------------------------------------------------------------------
-def _torch_supports(call: CallInfo) -> str | None:
-    ok = FLOATS + (torch.float64,)
-    return None if call.dtype in ok else f"dtype {call.dtype} is not one of fp16, bf16, fp32, fp64"
-
-
-def _load_torch_chunk():
-    from deltafuse.ops.gated_delta.reference import chunk_gated_delta_rule_torch
-
-    return chunk_gated_delta_rule_torch
-
-
-def _load_torch_recurrent():
-    from deltafuse.ops.gated_delta.reference import fused_recurrent_gated_delta_rule_torch
-
-    return fused_recurrent_gated_delta_rule_torch
+    return load
 
 
 def register(registry: Registry) -> None:
     rows = {
         CHUNK: [
-            Candidate("triton", _load_triton_chunk, _triton_available("deltafuse.ops.gated_delta.chunk"),
-                      _triton_supports, auto_skip=_triton_auto_skip,
+            Candidate("triton", load_attr(CHUNK_KERNEL, "chunk_gated_delta_rule_triton"),
+                      triton_available(CHUNK_KERNEL), triton_supports, auto_skip=triton_auto_skip,
                       note="deltafuse's chunked Triton kernels (fwd+bwd)"),
-            Candidate("fla", _load_fla_chunk, _fla_available, _fla_supports, fla_backward_known_bad,
-                      note="flash-linear-attention"),
-            Candidate("torch", _load_torch_chunk, supports=_torch_supports,
+            Candidate("fla", _load_fla("chunk_gated_delta_rule"), _fla_available, _fla_supports,
+                      fla_backward_known_bad, note="flash-linear-attention"),
+            Candidate("torch", load_attr(REFERENCE, "chunk_gated_delta_rule_torch"), supports=torch_supports,
                       note="deltafuse's chunked torch reference (any device)"),
         ],
         RECURRENT: [
-            Candidate("triton", _load_triton_recurrent, _triton_available("deltafuse.ops.gated_delta.recurrent"),
-                      _triton_recurrent_supports, auto_skip=_triton_auto_skip,
+            Candidate("triton", load_attr(RECURRENT_KERNEL, "fused_recurrent_gated_delta_rule_triton"),
+                      triton_available(RECURRENT_KERNEL), _triton_recurrent_supports, auto_skip=triton_auto_skip,
                       note="deltafuse's recurrent Triton kernel (inference)"),
-            Candidate("fla", _load_fla_recurrent, _fla_available, _fla_supports, note="flash-linear-attention"),
-            Candidate("torch", _load_torch_recurrent, supports=_torch_supports,
-                      note="deltafuse's step-by-step torch reference"),
+            Candidate("fla", _load_fla("fused_recurrent_gated_delta_rule"), _fla_available, _fla_supports,
+                      note="flash-linear-attention"),
+            Candidate("torch", load_attr(REFERENCE, "fused_recurrent_gated_delta_rule_torch"),
+                      supports=torch_supports, note="deltafuse's step-by-step torch reference"),
         ],
     }
     for op, candidates in rows.items():
         for cand in candidates:
             registry.register(op, cand)
-
-
-def _triton_recurrent_supports(call: CallInfo) -> str | None:
-    if call.needs_grad:
-        return "the recurrent Triton kernel has no backward (decoding only)"
-    return _triton_supports(call)

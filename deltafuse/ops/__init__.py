@@ -2,10 +2,17 @@
 
 from deltafuse.ops.conv1d.api import causal_conv1d_fn, causal_conv1d_update
 from deltafuse.ops.gated_delta.api import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from deltafuse.ops.norm.api import rms_norm_gated, rms_norm_zero_centered
+from deltafuse.ops.rope.api import apply_rotary_pos_emb
+from deltafuse.ops.swiglu.api import swiglu
 
 __all__ = [
+    "apply_rotary_pos_emb",
     "causal_conv1d_fn",
     "causal_conv1d_update",
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
+    "rms_norm_gated",
+    "rms_norm_zero_centered",
+    "swiglu",
 ]

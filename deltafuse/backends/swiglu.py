@@ -1,0 +1,22 @@
+"""Candidates for the SwiGLU activation op, in order of preference."""
+
+from __future__ import annotations
+
+from deltafuse.backends.common import (NPU_UNVERIFIED, load_attr, npu_available, npu_supports, torch_supports,
+                                       triton_auto_skip, triton_available, triton_supports)
+from deltafuse.backends.registry import Candidate, Registry
+
+SWIGLU = "swiglu"
+KERNEL = "deltafuse.ops.swiglu.kernel"
+
+
+def register(registry: Registry) -> None:
+    registry.register(SWIGLU, Candidate(
+        "triton", load_attr(KERNEL, "swiglu_triton"), triton_available(KERNEL), triton_supports,
+        auto_skip=triton_auto_skip, note="deltafuse's fused Triton silu(gate) * up (fwd+bwd)"))
+    registry.register(SWIGLU, Candidate(
+        "npu", load_attr("deltafuse.ops.swiglu.npu", "swiglu_npu"), npu_available("npu_swiglu"), npu_supports,
+        verified=False, note="torch_npu.npu_swiglu on cat(gate, up); " + NPU_UNVERIFIED))
+    registry.register(SWIGLU, Candidate(
+        "torch", load_attr("deltafuse.ops.swiglu.reference", "swiglu_torch"), supports=torch_supports,
+        note="transformers' formula in torch (any device)"))

@@ -1,0 +1,3 @@
+from deltafuse.ops.norm.api import rms_norm_gated, rms_norm_zero_centered
+
+__all__ = ["rms_norm_gated", "rms_norm_zero_centered"]

@@ -1,0 +1,63 @@
+"""Public RMSNorm ops of the Qwen3.5 family; the registry picks the implementation per call."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deltafuse import backends
+from deltafuse.backends.norm import RMS_NORM, RMS_NORM_GATED
+from deltafuse.ops import _checks as check
+
+
+def _eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        check.fail(f"eps must be a finite float >= 0, got {eps!r}")
+    return float(eps)
+
+
+def _x_weight(x, weight):
+    check.tensor("x", x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        check.fail(f"x must have a non-empty last dimension to normalise over, got shape {check.shape(x)}")
+    check.tensor("weight", weight, 1)
+    if weight.shape[0] != x.shape[-1]:
+        check.fail(f"weight must be [D] = ({x.shape[-1]},) for x of shape {check.shape(x)}, "
+                   f"got {check.shape(weight)}")
+
+
+def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, **kwargs) -> torch.Tensor:
+    """Qwen3.5's RMSNorm: ``x * rsqrt(mean(x^2, -1) + eps) * (1 + weight)`` in fp32, cast to x's dtype.
+
+    x: [..., D] (any float dtype); weight: [D] (initialised to zeros by transformers). Returns x's shape
+    and dtype. ``backend=`` may force 'triton' or 'torch'.
+    """
+    backend = kwargs.pop("backend", None)
+    if kwargs:
+        check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
+    _x_weight(x, weight)
+    eps = _eps(eps)
+    check.same_device("x", x, weight=weight)
+    impl = backends.select(RMS_NORM, backends.call_info(x, weight), backend)
+    return impl(x, weight, eps)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                   **kwargs) -> torch.Tensor:
+    """Qwen3.5's gated RMSNorm: ``(weight * norm(x).to(x.dtype)) * silu(gate.float())``, cast to x's dtype.
+
+    norm(x) = x * rsqrt(mean(x^2, -1) + eps) in fp32. x, gate: [..., D] of the same shape; weight: [D]
+    (initialised to ones). ``backend=`` may force 'triton' or 'torch'.
+    """
+    backend = kwargs.pop("backend", None)
+    if kwargs:
+        check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
+    _x_weight(x, weight)
+    check.tensor("gate", gate)
+    if gate.shape != x.shape:
+        check.fail(f"gate must have x's shape {check.shape(x)}, got {check.shape(gate)}")
+    eps = _eps(eps)
+    check.same_device("x", x, gate=gate, weight=weight)
+    impl = backends.select(RMS_NORM_GATED, backends.call_info(x, gate, weight), backend)
+    return impl(x, gate, weight, eps)

@@ -1,0 +1,3 @@
+from deltafuse.ops.swiglu.api import swiglu
+
+__all__ = ["swiglu"]

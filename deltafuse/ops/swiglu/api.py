@@ -1,0 +1,30 @@
+"""Public SwiGLU op (the activation and product of the Qwen3.5 MLPs); the registry picks the implementation."""
+
+from __future__ import annotations
+
+import torch
+
+from deltafuse import backends
+from deltafuse.backends.swiglu import SWIGLU
+from deltafuse.ops import _checks as check
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``silu(gate) * up`` elementwise. gate, up: [..., C] of one shape and dtype. Returns gate's shape/dtype.
+
+    ``backend=`` may force 'triton' or 'torch'.
+    """
+    backend = kwargs.pop("backend", None)
+    if kwargs:
+        check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
+    check.tensor("gate", gate)
+    check.tensor("up", up)
+    if gate.dim() < 1:
+        check.fail(f"gate must have at least one dimension, got shape {check.shape(gate)}")
+    if up.shape != gate.shape:
+        check.fail(f"up must have gate's shape {check.shape(gate)}, got {check.shape(up)}")
+    if up.dtype != gate.dtype:
+        check.fail(f"up has dtype {up.dtype} but gate has {gate.dtype}; they must match")
+    check.same_device("gate", gate, up=up)
+    impl = backends.select(SWIGLU, backends.call_info(gate, up), backend)
+    return impl(gate, up)

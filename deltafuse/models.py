@@ -87,8 +87,13 @@ def build_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | 
     config = build_config(name, **overrides)
     _, model_cls = _classes(NAMED_MODELS[name].family)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = model_cls(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype: a full-depth model never exists in fp32
+    try:
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
     return model.to(dtype=dtype).eval()
 
 

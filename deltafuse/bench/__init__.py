@@ -1,0 +1,1 @@
+"""`deltafuse bench`: the ON/OFF training experiment (e2e) and per-op timings (ops)."""

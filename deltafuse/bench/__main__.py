@@ -1,0 +1,3 @@
+from deltafuse.bench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from deltafuse.train.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""Arguments of `deltafuse train` and its entry point (`run(args) -> exit code`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deltafuse.train.errors import TrainInputError
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: an integer >= {low}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is too small; allowed: an integer >= {low}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a number > 0") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: a finite number > 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: 0 <= p < 1") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: 0 <= p < 1")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no module; allowed: comma-separated module names")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `deltafuse train` flags (also used by `deltafuse bench e2e`, which forwards them)."""
+    from deltafuse.models import NAMED_MODELS
+
+    parser.description = ("LoRA or full fine-tuning of a gated-delta-rule hybrid model on transformers' Trainer, "
+                          "with padding-free packing, stock (--no-deltafuse) or patched (--deltafuse).")
+    g = parser.add_argument_group("model and data")
+    g.add_argument("--model", default="tiny", metavar="NAME|DIR",
+                   help=f"a named random-init config ({', '.join(NAMED_MODELS)}) or a local Hugging Face model "
+                        "directory (config.json, *.safetensors, tokenizer); default: tiny")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow custom code in a local model directory")
+    g.add_argument("--data", default=None, metavar="JSONL",
+                   help='JSONL rows {"prompt","completion"} or {"messages":[...]}; default: the embedded '
+                        "GSM8K-style generator")
+    g.add_argument("--num-examples", metavar="N", type=_int_at_least(1), default=4000,
+                   help="rows of the embedded generator when --data is not given (default: 4000)")
+    g.add_argument("--skip-bad-rows", action="store_true",
+                   help="skip malformed JSONL rows (counted at the end) instead of stopping at the first one")
+    g.add_argument("--seq-len", metavar="N", type=_int_at_least(2), default=None,
+                   help="tokens per packed bin / per example; longer rows are truncated (default: 512 for the "
+                        "tiny models, 4096 otherwise)")
+    g.add_argument("--packing", dest="packing", action="store_true", default=True,
+                   help="padding-free packing with per-sequence boundaries (default)")
+    g.add_argument("--no-packing", dest="packing", action="store_false", help="one example per row, right-padded")
+
+    g = parser.add_argument_group("training")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--lora", dest="mode", action="store_const", const="lora", default="lora",
+                      help="train LoRA adapters (default)")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full", help="full fine-tuning")
+    g.add_argument("--max-steps", metavar="N", type=_int_at_least(1), default=60, help="optimizer steps (default: 60)")
+    g.add_argument("--batch-size", metavar="N", type=_int_at_least(1), default=1,
+                   help="per-device batch: packed bins, or examples with --no-packing (default: 1)")
+    g.add_argument("--lr", type=_positive_float, default=None,
+                   help="learning rate (default: 5e-3 for the tiny models, else 2e-4 LoRA / 2e-5 full)")
+    g.add_argument("--lr-scheduler", default="constant",
+                   choices=("constant", "linear", "cosine", "constant_with_warmup"),
+                   help="learning-rate schedule (default: constant)")
+    g.add_argument("--warmup-steps", metavar="N", type=_int_at_least(0), default=0, help="learning-rate warm-up steps")
+    g.add_argument("--max-grad-norm", metavar="X", type=_positive_float, default=1.0,
+                   help="gradient clipping (default: 1.0)")
+    g.add_argument("--seed", metavar="N", type=_int_at_least(0), default=0,
+                   help="seed of init, LoRA init and data order")
+    g.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="weights and autocast dtype (default auto: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    sw = g.add_mutually_exclusive_group()
+    sw.add_argument("--deltafuse", dest="deltafuse", action="store_true", default=None,
+                    help="patch the model with deltafuse (default: on unless DELTAFUSE_PATCH=0)")
+    sw.add_argument("--no-deltafuse", dest="deltafuse", action="store_false", help="stock transformers")
+
+    g = parser.add_argument_group("LoRA")
+    g.add_argument("--lora-r", metavar="N", type=_int_at_least(1), default=16, help="rank (default: 16)")
+    g.add_argument("--lora-alpha", metavar="N", type=_int_at_least(1), default=32, help="alpha (default: 32)")
+    g.add_argument("--lora-dropout", metavar="P", type=_fraction, default=0.0, help="dropout (default: 0)")
+    g.add_argument("--lora-targets", type=_names, default=None, metavar="A,B,...",
+                   help="module names to adapt (default: q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,"
+                        "out_proj, and in_proj_qkvz on Qwen3-Next; those present in the model)")
+    g.add_argument("--lora-mlp", action="store_true", help="also adapt gate_proj,up_proj,down_proj")
+    g.add_argument("--lora-experts", action="store_true",
+                   help="also adapt the MoE expert weights (PEFT target_parameters on experts.gate_up_proj/down_proj)")
+
+    g = parser.add_argument_group("output")
+    g.add_argument("--output-dir", metavar="DIR", default="runs/train",
+                   help="where checkpoints, the adapter/model and metrics go (default: runs/train)")
+    g.add_argument("--overwrite", action="store_true", help="replace a previous run in --output-dir")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="continue from the latest checkpoint in --output-dir, or from the given checkpoint dir")
+    g.add_argument("--save-every", metavar="N", type=_int_at_least(1), default=None,
+                   help="save a resumable checkpoint every N steps (default: at the end only)")
+    g.add_argument("--save-total-limit", metavar="N", type=_int_at_least(1), default=2,
+                   help="checkpoints kept (default: 2)")
+    g.add_argument("--log-every", metavar="N", type=_int_at_least(1), default=10,
+                   help="a log line every N steps (default: 10)")
+    prog = g.add_mutually_exclusive_group()
+    prog.add_argument("--progress", dest="progress", action="store_true", default=None,
+                      help="show a progress bar (default: when stderr is a terminal)")
+    prog.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run(args) -> int:
+    """Train; bad input prints one line naming the argument/file and what is allowed, and returns 2."""
+    from deltafuse.config import SettingsError
+
+    try:
+        from deltafuse.train.trainer import train
+
+        train(args)
+    except (TrainInputError, SettingsError) as exc:
+        print(f"deltafuse train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deltafuse.train")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,302 @@
+"""Training data: JSONL loading with strict row checks, tokenisation with completion-only labels, packing.
+
+Rows are ``{"prompt": str, "completion": str}`` or ``{"messages": [{"role": str, "content": str}, ...]}``.
+Loss is computed only on the completion / the assistant turns. With a chat template in the tokenizer both
+kinds of row are rendered through it (a prompt/completion row becomes one user and one assistant turn);
+without one, prompt and completion are joined as plain text and messages as ``role: content`` lines.
+
+Packing is padding-free: examples are grouped (first-fit decreasing) into bins of at most ``seq_len``
+tokens, and a batch of bins is flattened into one row whose ``position_ids`` restart at 0 at every example
+(transformers' ``DataCollatorWithFlattening``). No ``cu_seq_lens``/``seq_idx`` are passed, so the stock and the
+deltafuse runs of `deltafuse bench e2e` see the very same inputs; deltafuse derives the sequence boundaries
+from the restarting ``position_ids`` for the GDN and conv layers, and full attention builds its packed mask
+from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from deltafuse.train.errors import TrainInputError
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class DataStats:
+    source: str = ""
+    rows_read: int = 0
+    bad_rows_skipped: int = 0
+    bad_row_lines: list = field(default_factory=list)  # the first few line numbers skipped
+    truncated: int = 0
+    dropped_no_completion: int = 0
+    examples: int = 0
+    tokens: int = 0
+    completion_tokens: int = 0
+
+    def summary_lines(self, seq_len: int) -> list[str]:
+        lines = [f"data: {self.source}: {self.rows_read} rows read, {self.examples} examples, "
+                 f"{self.tokens} tokens ({self.completion_tokens} trained on)"]
+        if self.bad_rows_skipped:
+            shown = ", ".join(map(str, self.bad_row_lines))
+            more = ", ..." if self.bad_rows_skipped > len(self.bad_row_lines) else ""
+            lines.append(f"data: skipped {self.bad_rows_skipped} bad row(s) (--skip-bad-rows), lines {shown}{more}")
+        if self.truncated:
+            lines.append(f"data: truncated {self.truncated} row(s) longer than --seq-len {seq_len} tokens")
+        if self.dropped_no_completion:
+            lines.append(f"data: dropped {self.dropped_no_completion} row(s) with no completion token within "
+                         f"--seq-len {seq_len}")
+        return lines
+
+
+# --- JSONL -------------------------------------------------------------------------------------------
+def _row_problem(row) -> str | None:
+    """Why a parsed JSON value is not a usable row, or None."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            return "'messages' must be a non-empty list of {\"role\", \"content\"} objects"
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                return f"messages[{i}] must be an object with string 'role' and 'content'"
+        if not any(m["role"] == "assistant" for m in msgs):
+            return "'messages' has no assistant turn (the loss is computed on assistant turns only)"
+        if all(m["content"] == "" for m in msgs if m["role"] == "assistant"):
+            return "every assistant turn in 'messages' is empty"
+        return None
+    if "prompt" in row or "completion" in row:
+        for key in ("prompt", "completion"):
+            if not isinstance(row.get(key), str):
+                return f"'{key}' must be a string, got {type(row.get(key)).__name__}"
+        if row["completion"] == "":
+            return "'completion' is empty (the loss is computed on the completion only)"
+        return None
+    keys = ", ".join(sorted(map(str, row))) or "none"
+    return f"a row needs 'prompt' and 'completion', or 'messages'; it has keys: {keys}"
+
+
+def load_jsonl(path: str, *, skip_bad_rows: bool = False, stats: DataStats | None = None) -> list[dict]:
+    """The rows of a JSONL file; a bad line raises TrainInputError naming it, unless ``skip_bad_rows``."""
+    stats = stats if stats is not None else DataStats()
+    stats.source = path
+    if not os.path.exists(path):
+        raise TrainInputError(f"--data {path!r}: no such file")
+    if os.path.isdir(path):
+        raise TrainInputError(f"--data {path!r} is a directory; expected a JSONL file")
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise TrainInputError(f"--data {path!r} cannot be read: {exc.strerror or exc}") from None
+    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (some editors write one) is not row content
+        raw = raw[3:]
+    rows = []
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        stats.rows_read += 1
+        try:
+            text = line.decode("utf-8")
+            row = json.loads(text)
+            problem = _row_problem(row)
+        except UnicodeDecodeError as exc:
+            problem = f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        except json.JSONDecodeError as exc:
+            problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
+        if problem is not None:
+            if not skip_bad_rows:
+                raise TrainInputError(f"--data {path!r} line {lineno}: {problem}; fix the line or pass "
+                                      "--skip-bad-rows to skip bad rows (they are counted)")
+            stats.bad_rows_skipped += 1
+            if len(stats.bad_row_lines) < 10:
+                stats.bad_row_lines.append(lineno)
+            continue
+        rows.append(row)
+    if not rows:
+        if stats.rows_read == 0:
+            raise TrainInputError(f"--data {path!r} is empty: no JSONL rows")
+        raise TrainInputError(f"--data {path!r}: all {stats.rows_read} rows are bad (skipped with "
+                              "--skip-bad-rows); nothing to train on")
+    return rows
+
+
+# --- tokenisation ------------------------------------------------------------------------------------
+def _as_messages(row: dict) -> list[dict]:
+    if "messages" in row:
+        return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
+
+
+def _assistant_spans_incremental(tokenizer, msgs: list[dict], text: str) -> list[tuple[int, int]] | None:
+    """Assistant spans from renderings of growing prefixes; None when the template is not prefix-stable."""
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        upto = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+        if not text.startswith(upto) or not upto.startswith(before):
+            return None
+        spans.append((len(before), len(upto)))
+    return spans
+
+
+def _assistant_spans_by_content(tokenizer, msgs: list[dict], text: str) -> list[tuple[int, int]]:
+    """Assistant spans found by their content, in order, with the end-of-turn token that follows it.
+
+    For templates that render a turn differently once later turns follow (e.g. reasoning blocks kept only
+    on the last turn), where growing prefixes are not prefixes of the whole conversation.
+    """
+    ends = [t for t in (tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<|end|>") if t]
+    spans, pos = [], 0
+    for m in msgs:
+        if m["role"] == "assistant":
+            start = text.find(m["content"], pos)
+            if start < 0:
+                raise TrainInputError("the tokenizer's chat template does not reproduce an assistant turn's "
+                                      "content verbatim, so the loss mask cannot be placed; use "
+                                      '{"prompt","completion"} rows or a tokenizer whose template keeps it')
+            end = start + len(m["content"])
+            for marker in ends:
+                if text.startswith(marker, end):
+                    end += len(marker)
+                    break
+            spans.append((start, end))
+            pos = end
+        elif m["content"]:
+            found = text.find(m["content"], pos)
+            pos = found + len(m["content"]) if found >= 0 else pos
+    return spans
+
+
+def _render(tokenizer, row: dict) -> tuple[str, list[tuple[int, int]], bool]:
+    """(text, character spans to train on, add_special_tokens)."""
+    if getattr(tokenizer, "chat_template", None):
+        msgs = _as_messages(row)
+        text = tokenizer.apply_chat_template(msgs, tokenize=False)
+        spans = _assistant_spans_incremental(tokenizer, msgs, text)
+        if spans is None:
+            spans = _assistant_spans_by_content(tokenizer, msgs, text)
+        return text, spans, False
+    eos = tokenizer.eos_token or ""
+    if "messages" in row:
+        text, spans = "", []
+        for m in row["messages"]:
+            head = f"{m['role']}: "
+            body = m["content"] + ("\n" if m["role"] != "assistant" else eos + "\n")
+            if m["role"] == "assistant":
+                spans.append((len(text) + len(head), len(text) + len(head) + len(body)))
+            text += head + body
+        return text, spans, True
+    text = row["prompt"] + row["completion"] + eos
+    return text, [(len(row["prompt"]), len(text))], True
+
+
+def encode_row(tokenizer, row: dict, seq_len: int) -> tuple[list[int], list[int], bool]:
+    """(input_ids, labels with IGNORE_INDEX outside the completion, truncated?)."""
+    text, spans, add_special = _render(tokenizer, row)
+    enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    labels = []
+    for tok, (start, end) in zip(ids, offsets):
+        inside = end > start and any(a <= start < b for a, b in spans)
+        labels.append(tok if inside else IGNORE_INDEX)
+    truncated = len(ids) > seq_len
+    return ids[:seq_len], labels[:seq_len], truncated
+
+
+def encode_rows(tokenizer, rows: list[dict], seq_len: int, stats: DataStats, vocab_size: int | None = None):
+    """Encoded examples ``{"input_ids", "labels"}``; counts truncated and dropped rows in ``stats``."""
+    examples = []
+    for row in rows:
+        ids, labels, truncated = encode_row(tokenizer, row, seq_len)
+        stats.truncated += int(truncated)
+        n_completion = sum(1 for x in labels[1:] if x != IGNORE_INDEX)  # the first label is never predicted
+        if n_completion == 0:
+            stats.dropped_no_completion += 1
+            continue
+        if vocab_size is not None and ids and max(ids) >= vocab_size:
+            raise TrainInputError(f"the tokenizer produces id {max(ids)} but the model's vocabulary has only "
+                                  f"{vocab_size} entries; use the tokenizer that belongs to the model")
+        examples.append({"input_ids": ids, "labels": labels})
+        stats.tokens += len(ids)
+        stats.completion_tokens += n_completion
+    stats.examples = len(examples)
+    if not examples:
+        raise TrainInputError(f"no row keeps a completion token within --seq-len {seq_len} "
+                              f"({stats.dropped_no_completion} row(s) dropped); raise --seq-len")
+    return examples
+
+
+# --- packing and collation ---------------------------------------------------------------------------
+def pack(examples: list[dict], seq_len: int) -> list[list[dict]]:
+    """First-fit-decreasing bins of at most ``seq_len`` tokens (deterministic for the same input)."""
+    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i]["input_ids"]), i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = len(examples[i]["input_ids"])
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(seq_len - n)
+    return [[examples[i] for i in sorted(b)] for b in bins]
+
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class PackedCollator:
+    """A batch of bins -> one padding-free row: input_ids, labels, position_ids restarting at 0 per example."""
+
+    def __init__(self):
+        from transformers import DataCollatorWithFlattening
+
+        self.flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
+
+    def __call__(self, bins):
+        return self.flatten([ex for b in bins for ex in b])
+
+
+class PaddedCollator:
+    """A batch of examples -> right-padded rows with attention_mask; padded labels are ignored."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, examples):
+        width = max(len(ex["input_ids"]) for ex in examples)
+        ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(examples), width), dtype=torch.long)
+        for r, ex in enumerate(examples):
+            n = len(ex["input_ids"])
+            ids[r, :n] = torch.tensor(ex["input_ids"])
+            labels[r, :n] = torch.tensor(ex["labels"])
+            mask[r, :n] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def build_dataset(examples: list[dict], seq_len: int, packing: bool, pad_token_id: int):
+    """(dataset, collator) for the Trainer."""
+    if packing:
+        return ListDataset(pack(examples, seq_len)), PackedCollator()
+    return ListDataset(examples), PaddedCollator(pad_token_id)

@@ -1,0 +1,140 @@
+"""Model, tokenizer and adapter setup for training: named configs or a local HF directory; LoRA or full."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from deltafuse.train.errors import TrainInputError
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj",  # full attention
+                        "in_proj_qkv", "in_proj_z", "out_proj",  # Qwen3.5 GDN
+                        "in_proj_qkvz")  # Qwen3-Next GDN (in_proj_qkv/in_proj_z fused)
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return DTYPES[name]
+
+
+def training_device() -> str:
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return "cpu"
+
+
+def is_named(model: str) -> bool:
+    from deltafuse.models import NAMED_MODELS
+
+    return model in NAMED_MODELS
+
+
+def check_model_arg(model: str) -> None:
+    """Fail early, before anything heavy, on an unknown name or an incomplete local directory."""
+    from deltafuse.models import NAMED_MODELS
+
+    if model in NAMED_MODELS and not os.path.isdir(model):
+        return
+    if not os.path.exists(model):
+        known = ", ".join(NAMED_MODELS)
+        looks_like_path = os.sep in model or model.startswith(".") or model.startswith("~")
+        what = "is not a directory that exists" if looks_like_path else "is neither a known model name nor a directory"
+        raise TrainInputError(f"--model {model!r} {what}; known names: {known}; or pass a local Hugging Face "
+                              "model directory (config.json, *.safetensors, tokenizer files)")
+    if not os.path.isdir(model):
+        raise TrainInputError(f"--model {model!r} is a file; pass a model directory or a known name")
+    files = set(os.listdir(model))
+    if "config.json" not in files:
+        raise TrainInputError(f"--model {model!r} has no config.json; a model directory needs config.json, "
+                              "*.safetensors weights and tokenizer files")
+    if not any(f.endswith(".safetensors") for f in files):
+        bins = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+        extra = f" (found {', '.join(sorted(bins))}; only safetensors are loaded)" if bins else ""
+        raise TrainInputError(f"--model {model!r} has no *.safetensors weights{extra}")
+    if not any(f in files for f in TOKENIZER_FILES):
+        raise TrainInputError(f"--model {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                              "save the tokenizer next to the weights")
+
+
+def load_model_and_tokenizer(model: str, *, dtype: torch.dtype, device: str, seed: int,
+                             trust_remote_code: bool = False):
+    """(model, tokenizer, description) for a named config (byte-level tokenizer) or a local directory."""
+    from deltafuse import models
+
+    check_model_arg(model)
+    if is_named(model) and not os.path.isdir(model):
+        from deltafuse.train.tokenizer import build_byte_tokenizer
+
+        tokenizer = build_byte_tokenizer()
+        try:
+            net = models.build_model(model, dtype=dtype, device=device, seed=seed)
+        except models.UnknownModelError as exc:
+            raise TrainInputError(f"--model {model!r}: {exc}") from None
+        return net, tokenizer, f"{model} (random init: {models.NAMED_MODELS[model].doc})"
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # a broken or foreign tokenizer file: say which directory and why
+        raise TrainInputError(f"--model {model!r}: the tokenizer cannot be loaded: "
+                              f"{type(exc).__name__}: {exc}") from None
+    try:
+        net = models.load_local_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise TrainInputError(f"--model {model!r}: the model cannot be loaded: {exc}") from None
+    return net, tokenizer, f"{model} (local)"
+
+
+def linear_leaf_names(model) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def expert_parameters(model) -> list[str]:
+    return sorted({n for n, p in model.named_parameters() if p.dim() == 3 and n.endswith(EXPERT_PARAMETERS)})
+
+
+def lora_targets(model, requested: list[str] | None, include_mlp: bool) -> list[str]:
+    """The LoRA target module names: the defaults present in the model, or exactly the requested ones."""
+    present = linear_leaf_names(model)
+    if requested:
+        missing = [t for t in requested if t not in present]
+        if missing:
+            raise TrainInputError(f"--lora-targets {','.join(requested)}: {', '.join(missing)} match no linear "
+                                  f"layer of this model; its linear layers are: {', '.join(sorted(present))}")
+        return list(requested)
+    wanted = DEFAULT_LORA_TARGETS + (MLP_TARGETS if include_mlp else ())
+    targets = [t for t in wanted if t in present]
+    if not targets:
+        raise TrainInputError(f"none of the default LoRA targets ({', '.join(wanted)}) is a linear layer of this "
+                              f"model; pass --lora-targets from: {', '.join(sorted(present))}")
+    return targets
+
+
+def add_lora(model, *, r: int, alpha: int, dropout: float, targets: list[str], experts: bool):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise TrainInputError("LoRA needs the peft package (pip install 'deltafuse[train]'); or pass --full") from None
+
+    target_parameters = None
+    if experts:
+        names = expert_parameters(model)
+        if not names:
+            raise TrainInputError("--lora-experts: this model has no 3-D expert parameters "
+                                  "(experts.gate_up_proj / experts.down_proj); it is not a mixture-of-experts model")
+        target_parameters = [s for s in EXPERT_PARAMETERS if any(n.endswith(s) for n in names)]
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                        target_parameters=target_parameters, bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total

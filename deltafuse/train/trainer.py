@@ -1,0 +1,445 @@
+"""`deltafuse train`: LoRA or full fine-tuning on transformers' Trainer with padding-free packing.
+
+Why the plain ``transformers.Trainer`` and not TRL's ``SFTTrainer``: padding-free packing needs exactly two
+things, bins of whole examples and a collator that flattens them with restarting ``position_ids``; transformers
+ships the collator (``DataCollatorWithFlattening``) and the bins are a few lines (``data.pack``). SFTTrainer
+would add TRL and ``datasets`` as dependencies and its own packing/collation layer between us and the exact
+inputs the model sees, which is what the stock-vs-deltafuse comparison must control. Everything else (DDP via
+accelerate/torchrun, gradient checkpointing, mixed precision, checkpoint/resume, PEFT) is the Trainer's.
+
+--output-dir receives: checkpoint-N/ (resumable: weights or adapter, optimizer, scheduler, RNG, trainer state),
+final/ (the adapter or the full model, with the tokenizer), metrics.jsonl (one record per step: loss, grad
+norm, lr, tokens, step time, wall clock, peak memory), summary.json (settings, data counts, deltafuse's patch
+report, the software stack) and train_args.json (the arguments, checked again on --resume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import asdict
+
+import torch
+
+from deltafuse.train import data as data_mod
+from deltafuse.train import setup
+from deltafuse.train.errors import TrainInputError
+
+ARTIFACTS = ("final", "metrics.jsonl", "summary.json", "train_args.json")
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+# --- output directory --------------------------------------------------------------------------------
+def checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = CHECKPOINT_RE.match(name)
+        if m and os.path.isfile(os.path.join(output_dir, name, "trainer_state.json")):
+            found.append((int(m.group(1)), os.path.join(output_dir, name)))
+    return sorted(found)
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun/accelerate launch, or a plain process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def prepare_output_dir(output_dir: str, *, overwrite: bool, resume: str | None, main: bool = True) -> str | None:
+    """Check the output directory against --overwrite/--resume; returns the checkpoint to resume from.
+
+    Only the main process checks emptiness and deletes (other ranks would race with what it writes).
+    """
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise TrainInputError(f"--output-dir {output_dir!r} is a file; pass a directory")
+    if resume is not None:
+        if overwrite:
+            raise TrainInputError("--resume and --overwrite contradict each other: resuming keeps the previous "
+                                  "run, overwriting deletes it; pass one of them")
+        if resume != "latest":
+            if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+                raise TrainInputError(f"--resume {resume!r} is not a checkpoint directory (no trainer_state.json); "
+                                      f"checkpoints are the checkpoint-N folders inside --output-dir")
+            return resume
+        found = checkpoints(output_dir)
+        if not found:
+            raise TrainInputError(f"--resume: --output-dir {output_dir!r} has no checkpoint-N folder to resume "
+                                  "from; start a new run without --resume")
+        return found[-1][1]
+    if main and os.path.isdir(output_dir) and os.listdir(output_dir):
+        if not overwrite:
+            raise TrainInputError(f"--output-dir {output_dir!r} exists and is not empty; pass --overwrite to "
+                                  "replace its previous run, --resume to continue it, or choose another directory")
+        for name in os.listdir(output_dir):
+            path = os.path.join(output_dir, name)
+            if CHECKPOINT_RE.match(name) or name in ARTIFACTS:
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return None
+
+
+# --- measurements ------------------------------------------------------------------------------------
+def peak_memory(device: str) -> tuple[int, str]:
+    """(bytes, what was measured): CUDA's peak allocated memory, or the process's peak RSS on CPU."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated(torch.device(device))), "cuda max allocated"
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def stack_info(device: str) -> dict:
+    import transformers
+
+    import deltafuse
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "deltafuse": deltafuse.__version__,
+            "device": device, "cpu_threads": torch.get_num_threads()}
+    try:
+        import peft
+
+        info["peft"] = peft.__version__
+    except ImportError:
+        pass
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        info["cuda"] = torch.version.cuda
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _make_callback():
+    from transformers import TrainerCallback
+
+    class StepLogger(TrainerCallback):
+        """Per-step record (loss, grad norm, tokens, step time, peak memory), progress bar, a line every N steps."""
+
+        def __init__(self, *, device: str, log_every: int, metrics_path: str, progress: bool, max_steps: int):
+            self.device, self.log_every, self.metrics_path = device, log_every, metrics_path
+            self.progress, self.max_steps = progress, max_steps
+            self.bar = None
+            self.window: list[dict] = []
+            self.records: list[dict] = []
+            self._t_step = self._tokens0 = None
+            self._pending: dict = {}
+
+        def _sync(self):
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize(torch.device(self.device))
+
+        def on_train_begin(self, args, state, control, **kw):
+            if self.device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats(torch.device(self.device))
+            self.t0 = time.perf_counter()
+            if self.progress and state.is_world_process_zero:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=self.max_steps, initial=state.global_step, desc="train", unit="step",
+                                dynamic_ncols=True, file=sys.stderr)
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._sync()
+            self._t_step = time.perf_counter()
+            self._tokens0 = state.num_input_tokens_seen
+
+        def on_step_end(self, args, state, control, **kw):
+            self._sync()
+            now = time.perf_counter()
+            mem, _ = peak_memory(self.device)
+            self._pending = {"step": state.global_step, "step_time_s": now - self._t_step,
+                             "wall_s": now - self.t0, "tokens": int(state.num_input_tokens_seen - self._tokens0),
+                             "peak_mem_bytes": mem}
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not logs or "loss" not in logs or self._pending.get("step") != state.global_step:
+                return
+            rec = dict(self._pending)
+            rec["loss"] = float(logs["loss"])
+            rec["grad_norm"] = float(logs["grad_norm"]) if logs.get("grad_norm") is not None else float("nan")
+            rec["lr"] = float(logs.get("learning_rate", float("nan")))
+            self._pending = {}
+            if not state.is_world_process_zero:
+                return
+            self.records.append(rec)
+            with open(self.metrics_path, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            self.window.append(rec)
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix(loss=f"{rec['loss']:.4f}", refresh=False)
+            if rec["step"] % self.log_every == 0 or rec["step"] == self.max_steps:
+                self._print_window()
+
+        def _print_window(self):
+            w, self.window = self.window, []
+            time_s = sum(r["step_time_s"] for r in w)
+            tokens = sum(r["tokens"] for r in w)
+            line = (f"step {w[-1]['step']:>{len(str(self.max_steps))}}/{self.max_steps}"
+                    f" | loss {sum(r['loss'] for r in w) / len(w):.4f}"
+                    f" | grad norm {sum(r['grad_norm'] for r in w) / len(w):.4f}"
+                    f" | {tokens / time_s if time_s > 0 else float('nan'):,.0f} tok/s"
+                    f" | step {time_s / len(w):.3f} s"
+                    f" | peak mem {fmt_bytes(w[-1]['peak_mem_bytes'])}")
+            if self.bar is not None:
+                self.bar.write(line, file=sys.stdout)
+            else:
+                print(line, flush=True)
+
+        def on_train_end(self, args, state, control, **kw):
+            if self.window and state.is_world_process_zero:
+                self._print_window()
+            if self.bar is not None:
+                self.bar.close()
+
+    return StepLogger
+
+
+# --- the run -----------------------------------------------------------------------------------------
+def _say(msg: str) -> None:
+    if is_main_process():
+        print(msg, flush=True)
+
+
+def apply_deltafuse(model, enabled: bool, stack: contextlib.ExitStack) -> dict:
+    """Patch transformers for this model until ``stack`` closes (or leave it stock); the PatchReport as a dict."""
+    if not enabled:
+        return {"enabled": False}
+    import deltafuse
+
+    report = stack.enter_context(deltafuse.patched(model))
+    out = report.to_dict() if hasattr(report, "to_dict") else {"enabled": True}
+    out["text"] = str(report)
+    out["applied_rows"] = len(getattr(report, "applied", [])) + len(getattr(report, "already_applied", []))
+    return out
+
+
+def default_lr(model: str, full: bool) -> float:
+    if setup.is_named(model) and model.startswith("tiny"):
+        return 5e-3  # random-init CPU models: a visible loss drop in a few dozen steps
+    return 2e-5 if full else 2e-4
+
+
+def resolve_defaults(args) -> None:
+    """Fill the defaults that depend on the model: --seq-len is 512 for the tiny models, 4096 otherwise."""
+    if args.seq_len is None:
+        args.seq_len = 512 if str(args.model).startswith("tiny") and not os.path.isdir(args.model) else 4096
+
+
+def train(args) -> dict:
+    """Run one training as described by the parsed ``deltafuse train`` arguments; returns the summary.
+
+    What deltafuse patched for the run is reverted when it ends, so a caller's process is left as it was.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        # transformers' own Trainer/PEFT path still calls the v6-deprecated name; nothing for a user to change
+        warnings.filterwarnings("ignore", message=r".*`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return _train(args, stack)
+
+
+def _train(args, stack: contextlib.ExitStack) -> dict:
+    from deltafuse.config import load_settings
+
+    resolve_defaults(args)
+    main = is_main_process()
+    resume_from = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume, main=main)
+    setup.check_model_arg(args.model)
+    device = setup.training_device()
+    dtype = setup.resolve_dtype(args.dtype, device)
+    env_patch = load_settings().patch
+    if args.deltafuse and not env_patch:
+        raise TrainInputError("--deltafuse contradicts DELTAFUSE_PATCH (or TWINKLE_NPU_PATCH) set to off in the "
+                              "environment; unset it or pass --no-deltafuse")
+    enabled = env_patch if args.deltafuse is None else args.deltafuse
+
+    if resume_from is not None:
+        _check_resume_compatible(args, resume_from)
+    # data first: bad input fails before the model is built
+    stats = data_mod.DataStats()
+    if args.data is None:
+        from deltafuse.train import gsm
+
+        rows = gsm.generate(args.num_examples, seed=0)
+        stats.source = f"embedded GSM8K-style generator ({args.num_examples} rows)"
+        stats.rows_read = len(rows)
+    else:
+        rows = data_mod.load_jsonl(args.data, skip_bad_rows=args.skip_bad_rows, stats=stats)
+
+    from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments, set_seed
+
+    set_seed(args.seed)
+    model, tokenizer, described = setup.load_model_and_tokenizer(
+        args.model, dtype=dtype, device=device, seed=args.seed, trust_remote_code=args.trust_remote_code)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    examples = data_mod.encode_rows(tokenizer, rows, args.seq_len, stats, vocab_size=vocab)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    dataset, collator = data_mod.build_dataset(examples, args.seq_len, args.packing, pad_id)
+
+    model.config.use_cache = False
+    for key in ("eos_token_id", "pad_token_id"):  # the tokenizer decides; say it to the model's configs
+        value = getattr(tokenizer, key, None)
+        if value is not None:
+            setattr(model.config, key, value)
+            if getattr(model, "generation_config", None) is not None:
+                setattr(model.generation_config, key, value)
+    patch_info = apply_deltafuse(model, enabled, stack)
+    moe = bool(setup.expert_parameters(model))  # before PEFT renames the expert parameters
+    full = args.mode == "full"
+    if not full:
+        targets = setup.lora_targets(model, args.lora_targets, args.lora_mlp)
+        set_seed(args.seed)
+        model = setup.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                               targets=targets, experts=args.lora_experts)
+    trainable, total = setup.count_parameters(model)
+    lr = args.lr if args.lr is not None else default_lr(args.model, full)
+
+    _say(f"model: {described}; {dtype} on {device}; {'full fine-tuning' if full else 'LoRA'}: "
+         f"{trainable:,} of {total:,} parameters trained")
+    if not full:
+        _say(f"lora: r={args.lora_r} alpha={args.lora_alpha} targets={','.join(targets)}"
+             + (" + experts" if args.lora_experts else ""))
+    if enabled:
+        _say("deltafuse: ON - " + patch_info["text"].splitlines()[0])
+    else:
+        _say("deltafuse: OFF (stock transformers)")
+    for line in stats.summary_lines(args.seq_len):
+        _say(line)
+    _say(f"batches: {'packed (padding-free)' if args.packing else 'padded'}, {len(dataset)} "
+         f"{'bins of <= ' + str(args.seq_len) + ' tokens' if args.packing else 'examples'}, batch size "
+         f"{args.batch_size}; {args.max_steps} steps, lr {lr:g}")
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    targs = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        learning_rate=lr, lr_scheduler_type=args.lr_scheduler, warmup_steps=args.warmup_steps, weight_decay=0.0,
+        max_grad_norm=args.max_grad_norm, seed=args.seed, data_seed=args.seed,
+        logging_strategy="steps", logging_steps=1, save_strategy="steps",
+        save_steps=args.save_every or args.max_steps, save_total_limit=args.save_total_limit,
+        report_to="none", disable_tqdm=True, log_level="warning", dataloader_num_workers=0,
+        remove_unused_columns=False, include_num_input_tokens_seen="non_padding",
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu=not device.startswith("cuda"),
+        **_checkpointing_args(TrainingArguments, args.gradient_checkpointing),
+        ddp_find_unused_parameters=(moe and (full or args.lora_experts)) if world > 1 else None,
+    )
+    Logger = _make_callback()
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if main and resume_from is None and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    elif main and resume_from is not None:
+        _truncate_metrics(metrics_path, _checkpoint_step(resume_from))
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    logger = Logger(device=device, log_every=args.log_every, metrics_path=metrics_path, progress=progress,
+                    max_steps=args.max_steps)
+    trainer = Trainer(model=model, args=targs, train_dataset=dataset, data_collator=collator,
+                      processing_class=tokenizer, callbacks=[logger])
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    if targs.process_index == 0:
+        with open(os.path.join(args.output_dir, "train_args.json"), "w") as fh:
+            json.dump(vars(args), fh, indent=2, default=str)
+    if resume_from is not None:
+        _say(f"resuming from {resume_from}")
+    t0 = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=resume_from)
+    elapsed = time.perf_counter() - t0
+
+    final_dir = os.path.join(args.output_dir, "final")
+    trainer.save_model(final_dir)
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(final_dir)
+    records = _read_metrics(metrics_path)
+    mem, mem_kind = peak_memory(device)
+    summary = {
+        "model": args.model, "model_description": described, "mode": args.mode,
+        "dtype": str(dtype).replace("torch.", ""),
+        "deltafuse": patch_info, "packing": args.packing, "seq_len": args.seq_len, "batch_size": args.batch_size,
+        "world_size": world, "distributed_type": str(trainer.accelerator.distributed_type),
+        "wrapped_model": type(trainer.model_wrapped).__name__, "max_steps": args.max_steps, "lr": lr, "seed": args.seed,
+        "gradient_checkpointing": args.gradient_checkpointing, "trainable_parameters": trainable,
+        "total_parameters": total, "data": asdict(stats), "steps_run": len(records),
+        "final_loss": records[-1]["loss"] if records else None, "train_runtime_s": elapsed,
+        "train_loss": result.training_loss, "peak_mem_bytes": mem, "peak_mem_kind": mem_kind,
+        "resumed_from": resume_from, "final_dir": final_dir,
+        "checkpoints": [p for _, p in checkpoints(args.output_dir)],
+        "stack": stack_info(device), "metrics": metrics_path,
+    }
+    if trainer.is_world_process_zero():
+        with open(os.path.join(args.output_dir, "summary.json"), "w") as fh:
+            json.dump(summary, fh, indent=2, default=str)
+        for line in stats.summary_lines(args.seq_len)[1:]:
+            _say(line)
+        _say(f"done: {len(records)} steps in {elapsed:.1f} s; saved {'model' if full else 'adapter'} to "
+             f"{final_dir}; resumable checkpoint {summary['checkpoints'][-1] if summary['checkpoints'] else '-'}")
+    return summary
+
+
+def _checkpointing_args(targs_cls, enabled: bool) -> dict:
+    """Activation checkpointing arguments under the name this transformers version uses."""
+    import dataclasses
+
+    kwargs = {"use_reentrant": False} if enabled else None
+    names = {f.name for f in dataclasses.fields(targs_cls)}
+    if "activation_checkpointing" in names:  # transformers >= 5.2x; gradient_checkpointing is a deprecated alias
+        return {"activation_checkpointing": enabled, "activation_checkpointing_kwargs": kwargs}
+    return {"gradient_checkpointing": enabled, "gradient_checkpointing_kwargs": kwargs}
+
+
+def _checkpoint_step(path: str) -> int:
+    with open(os.path.join(path, "trainer_state.json")) as fh:
+        return int(json.load(fh).get("global_step", 0))
+
+
+def _check_resume_compatible(args, checkpoint: str) -> None:
+    step = _checkpoint_step(checkpoint)
+    if step >= args.max_steps:
+        raise TrainInputError(f"--resume: {checkpoint!r} is at step {step}, which is not below --max-steps "
+                              f"{args.max_steps}; raise --max-steps to train further")
+    saved_path = os.path.join(args.output_dir, "train_args.json")
+    if not os.path.isfile(saved_path):
+        return
+    with open(saved_path) as fh:
+        saved = json.load(fh)
+    for key in ("model", "mode", "lora_r", "lora_targets", "lora_mlp", "lora_experts"):
+        if key in saved and str(saved[key]) != str(getattr(args, key, None)):
+            flag = "--" + key.replace("_", "-")
+            raise TrainInputError(f"--resume: the checkpoint was trained with {flag} {saved[key]!r}, this run asks "
+                                  f"for {getattr(args, key, None)!r}; resume with the same setting")
+
+
+def _read_metrics(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Keep the per-step records up to the checkpoint being resumed (later ones are trained again)."""
+    records = [r for r in _read_metrics(path) if r["step"] <= step]
+    with open(path, "w") as fh:
+        for r in records:
+            fh.write(json.dumps(r) + "\n")

@@ -1,0 +1,79 @@
+"""`deltafuse bench e2e`: two real (very small) runs, then the table, JSON and PNG; and its arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from deltafuse.bench import e2e
+from deltafuse.bench.cli import main
+
+
+def test_bench_e2e_writes_table_json_and_png(tmp_path, capsys):
+    out = str(tmp_path / "bench")
+    rc = main(["e2e", "--model", "tiny", "--max-steps", "4", "--interval", "2", "--seq-len", "256",
+               "--num-examples", "30", "--output-dir", out, "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    md = open(os.path.join(out, "e2e.md")).read()
+    assert md in text  # the table is printed too
+    for metric in ("avg duration per 2-step interval (s)", "median step time (ms", "tokens/s",
+                   "peak memory (process peak RSS)", "avg loss (all steps)", "avg grad norm",
+                   "speedup (OFF time / ON time)"):
+        assert metric in md
+    with open(os.path.join(out, "e2e.json")) as fh:
+        res = json.load(fh)
+    assert res["off"]["measured_intervals"] == 1 and res["on"]["measured_intervals"] == 1
+    assert res["speedup"] == pytest.approx(res["off"]["avg_interval_s"] / res["on"]["avg_interval_s"])
+    assert res["loss_delta"] == pytest.approx(res["on"]["avg_loss"] - res["off"]["avg_loss"])
+    assert [r["step"] for r in res["steps"]["off"]] == [1, 2, 3, 4] == [r["step"] for r in res["steps"]["on"]]
+    # same seed, data and order: the first step sees the same batch; the runs differ only by the patching
+    assert res["steps"]["off"][0]["tokens"] == res["steps"]["on"][0]["tokens"]
+    assert res["deltafuse_report"]["enabled"] is True
+    off = json.load(open(os.path.join(out, "off", "summary.json")))
+    assert off["deltafuse"] == {"enabled": False}
+    assert res["commands"]["off"].startswith("DELTAFUSE_PATCH=0 ") and res["commands"]["on"].startswith(
+        "DELTAFUSE_PATCH=1 ")
+    with open(os.path.join(out, "e2e.png"), "rb") as fh:
+        png = fh.read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # a second run into the same directory is refused unless --overwrite
+    assert main(["e2e", "--max-steps", "4", "--interval", "2", "--output-dir", out]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_forwarded_flags_reproduce_the_arguments():
+    parser = e2e.train_parser()
+    args = parser.parse_args(["--model", "tiny-moe", "--full", "--no-packing", "--lora-targets", "q_proj,o_proj",
+                              "--seq-len", "300", "--gradient-checkpointing", "--lr", "0.01"])
+    again = parser.parse_args(e2e.forward_train_args(args))
+    for key, value in vars(args).items():
+        if key not in e2e.NOT_FORWARDED:
+            assert getattr(again, key) == value, key
+
+
+def test_interval_arithmetic():
+    recs = [{"step": i, "wall_s": 1.0 * i + (5.0 if i > 0 else 0), "tokens": 100, "step_time_s": 0.5,
+             "loss": 10.0 - i, "grad_norm": 1.0, "peak_mem_bytes": 1000 + i} for i in range(1, 7)]
+    # wall clock: step 1 ends at 6 s (5 s of warm-up), then 1 s per step
+    s = e2e.summarize(recs, size=2, warmup=1)
+    assert [iv["duration_s"] for iv in s["intervals"]] == [7.0, 2.0, 2.0]
+    assert s["avg_interval_s"] == 2.0 and s["tokens_per_s"] == 100.0 and s["measured_intervals"] == 2
+    assert s["avg_loss"] == pytest.approx(sum(10.0 - i for i in range(1, 7)) / 6)
+    assert s["final_loss"] == pytest.approx((5.0 + 4.0) / 2) and s["peak_mem_bytes"] == 1006
+    assert s["median_step_s"] == 0.5
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--max-steps", "10"], "--max-steps 10 leaves no timed interval; allowed: --max-steps >= --interval x"),
+    (["--deltafuse"], "bench e2e runs both OFF and ON; drop --deltafuse/--no-deltafuse"),
+    (["--resume"], "--resume is for `deltafuse train`"),
+    (["--model", "huge"], "known names: tiny"),
+])
+def test_bench_e2e_bad_input(argv, needle, tmp_path, capsys):
+    assert main(["e2e", *argv, "--output-dir", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not (tmp_path / "b").exists()

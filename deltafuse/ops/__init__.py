@@ -1,7 +1,9 @@
 """Public ops: pure functions on tensors. The registry picks the implementation for each call."""
 
 from deltafuse.ops.conv1d.api import causal_conv1d_fn, causal_conv1d_update
+from deltafuse.ops.cross_entropy.api import fused_linear_cross_entropy
 from deltafuse.ops.gated_delta.api import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from deltafuse.ops.moe.api import moe_experts
 from deltafuse.ops.norm.api import rms_norm_gated, rms_norm_zero_centered
 from deltafuse.ops.rope.api import apply_rotary_pos_emb
 from deltafuse.ops.swiglu.api import swiglu
@@ -11,7 +13,9 @@ __all__ = [
     "causal_conv1d_fn",
     "causal_conv1d_update",
     "chunk_gated_delta_rule",
+    "fused_linear_cross_entropy",
     "fused_recurrent_gated_delta_rule",
+    "moe_experts",
     "rms_norm_gated",
     "rms_norm_zero_centered",
     "swiglu",

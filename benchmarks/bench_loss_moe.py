@@ -1,0 +1,299 @@
+"""GPU benchmark: fused linear cross-entropy and MoE experts, forward + backward, time and peak memory.
+
+Loss path (hidden 2,048, vocab 248,320, bf16, random data) at 4,096 and 16,384 tokens, with a frozen head
+(LoRA training) and a trainable head:
+  stock   lm_head (F.linear) + transformers' ForCausalLMLoss
+  liger   Liger-Kernel's fused linear cross-entropy (when ``liger_kernel`` imports)
+  ours    deltafuse.ops.cross_entropy with backend 'triton' and 'torch'
+Experts at Qwen3.5-35B-A3B sizes (256 experts, top-8, I = 512, H = 2,048), 4,096 tokens, bf16:
+  stock   transformers' Qwen3_5MoeExperts with experts_implementation 'grouped_mm'
+  ours    the same module served by deltafuse.ops.moe through the experts interface
+
+Times are medians of ``triton.testing.do_bench`` (after its warm-up); peak memory is the maximum allocated
+during one forward + backward minus what was allocated before it (inputs and weights excluded).
+
+    python benchmarks/bench_loss_moe.py results.json
+    python benchmarks/bench_loss_moe.py --dry-run          # imports and parses arguments only (CPU is fine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", nargs="?", default="bench_loss_moe.json", help="JSON file to write (default: %(default)s)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="loss-path token counts")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=248320)
+    p.add_argument("--head", choices=["frozen", "trainable", "both"], default="both")
+    p.add_argument("--chunk-sizes", type=int, nargs="*", default=[128, 512, 2048],
+                   help="also time the Triton loss at these chunk sizes (tokens per chunk), to tune the default "
+                        "(default: %(default)s; give the flag alone for none)")
+    p.add_argument("--moe-tokens", type=int, default=4096)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--moe-intermediate", type=int, default=512)
+    p.add_argument("--skip-loss", action="store_true")
+    p.add_argument("--skip-moe", action="store_true")
+    p.add_argument("--rep", type=int, default=50, help="do_bench repetition time in ms (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="import everything, print the plan, run nothing")
+    args = p.parse_args(argv)
+    for name in ("hidden", "vocab", "moe_tokens", "experts", "top_k", "moe_intermediate", "rep"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(c < 1 for c in args.chunk_sizes):
+        p.error(f"--chunk-sizes must all be >= 1, got {args.chunk_sizes}")
+    if any(t < 2 for t in args.tokens):
+        p.error(f"--tokens must all be >= 2, got {args.tokens}")
+    if args.top_k > args.experts:
+        p.error(f"--top-k ({args.top_k}) must not exceed --experts ({args.experts})")
+    return args
+
+
+def _stack() -> dict:
+    import transformers
+
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "gpu": None, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception as exc:  # noqa: BLE001
+        info["triton"] = f"not importable: {exc}"
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+
+        info["liger_kernel"] = version("liger-kernel")
+    except Exception:  # noqa: BLE001
+        info["liger_kernel"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _register_ops():
+    """Make sure the registry has the loss and experts rows (added by the package once _register_all lists them)."""
+    from deltafuse.backends import REGISTRY
+    from deltafuse.backends import cross_entropy as ce_rows
+    from deltafuse.backends import moe as moe_rows
+
+    for module, op in ((ce_rows, ce_rows.FUSED_LINEAR_CROSS_ENTROPY), (moe_rows, moe_rows.MOE_EXPERTS)):
+        if op not in REGISTRY.ops:
+            module.register(REGISTRY)
+
+
+def _measure(fn, grad_to_none, rep):
+    """(median ms, peak MiB above the allocation before the call) of fn (forward + backward)."""
+    import triton.testing
+
+    for t in grad_to_none:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    for t in grad_to_none:
+        t.grad = None
+    ms = triton.testing.do_bench(fn, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+    for t in grad_to_none:
+        t.grad = None
+    return ms, peak
+
+
+def _loss_cases(args):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from deltafuse.ops.cross_entropy import fused_linear_cross_entropy
+
+    dev, dt = "cuda", torch.bfloat16
+    rows = []
+    heads = ["frozen", "trainable"] if args.head == "both" else [args.head]
+    for n in args.tokens:
+        for head in heads:
+            gen = torch.Generator(device=dev).manual_seed(n)
+            hidden = torch.randn(1, n, args.hidden, device=dev, dtype=dt, generator=gen).requires_grad_()
+            weight = (torch.randn(args.vocab, args.hidden, device=dev, dtype=dt, generator=gen)
+                      / math.sqrt(args.hidden)).requires_grad_(head == "trainable")
+            labels = torch.randint(0, args.vocab, (1, n), device=dev, generator=gen)
+            labels[:, ::13] = -100
+            leaves = [hidden] + ([weight] if head == "trainable" else [])
+            V = args.vocab
+
+            def stock():
+                ForCausalLMLoss(F.linear(hidden, weight), labels, V).backward()
+
+            def ours(backend, chunk=None):
+                return lambda: fused_linear_cross_entropy(hidden, weight, labels, backend=backend,
+                                                          chunk_size=chunk).backward()
+
+            impls = [("stock", stock), ("deltafuse-triton", ours("triton")), ("deltafuse-torch", ours("torch"))]
+            impls += [(f"deltafuse-triton-c{c}", ours("triton", c)) for c in args.chunk_sizes]
+            try:
+                from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+                liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+                sh = torch.cat([labels[:, 1:], labels.new_full((1, 1), -100)], dim=1).view(-1)
+
+                def liger_fn():
+                    liger(weight, hidden.view(-1, args.hidden), sh).backward()
+
+                impls.insert(1, ("liger", liger_fn))
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"bench": "loss", "tokens": n, "head": head, "impl": "liger",
+                             "error": f"not run: {type(exc).__name__}: {exc}"})
+            with torch.no_grad():
+                ref = float(ForCausalLMLoss(F.linear(hidden, weight), labels, V))
+            for name, fn in impls:
+                row = {"bench": "loss", "tokens": n, "head": head, "impl": name}
+                try:
+                    ms, peak = _measure(fn, leaves, args.rep)
+                    row.update(ms=ms, peak_mib=peak)
+                    if name.startswith("deltafuse"):
+                        with torch.no_grad():
+                            got = float(fused_linear_cross_entropy(hidden, weight, labels,
+                                                                   backend=name.split("-")[1]))
+                        row["chunk_size"] = int(name.split("-c")[1]) if "-c" in name else "default"
+                        row["loss_abs_diff_vs_stock"] = abs(got - ref)
+                except Exception as exc:  # noqa: BLE001  (e.g. out of memory): record and go on
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+                    traceback.print_exc()
+                rows.append(row)
+                torch.cuda.empty_cache()
+            del hidden, weight, labels
+    return rows
+
+
+def _moe_cases(args):
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, grouped_mm_experts_forward
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+
+    from deltafuse.ops.moe import moe_experts
+
+    def deltafuse_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.has_bias or not self.has_gate or self.is_transposed or not self.is_concatenated:
+            return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+    added = "deltafuse" not in ALL_EXPERTS_FUNCTIONS
+    if added:
+        ExpertsInterface.register("deltafuse", deltafuse_experts_forward)
+    dev, dt = "cuda", torch.bfloat16
+    cfg = Qwen3_5MoeTextConfig(hidden_size=args.hidden, moe_intermediate_size=args.moe_intermediate,
+                               num_experts=args.experts, num_experts_per_tok=args.top_k)
+    mod = Qwen3_5MoeExperts(cfg).to(dev, dt)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        mod.gate_up_proj.normal_(0, args.hidden ** -0.5, generator=gen)
+        mod.down_proj.normal_(0, args.moe_intermediate ** -0.5, generator=gen)
+    n = args.moe_tokens
+    hidden = torch.randn(n, args.hidden, device=dev, dtype=dt, generator=gen).requires_grad_()
+    logits = torch.randn(n, args.experts, device=dev, generator=gen)
+    probs = logits.softmax(-1)
+    top_w, top_i = probs.topk(args.top_k, dim=-1)
+    top_w = (top_w / top_w.sum(-1, keepdim=True)).to(dt).requires_grad_()
+    dy = torch.randn(n, args.hidden, device=dev, dtype=dt, generator=gen)
+    leaves = [hidden, top_w, mod.gate_up_proj, mod.down_proj]
+    rows, outs = [], {}
+    try:
+        for impl in ("grouped_mm", "deltafuse"):
+            mod.config._experts_implementation = impl
+
+            def fn():
+                mod(hidden, top_i, top_w).backward(dy)
+
+            row = {"bench": "moe_experts", "tokens": n, "experts": args.experts, "top_k": args.top_k,
+                   "impl": "stock-grouped_mm" if impl == "grouped_mm" else "deltafuse"}
+            try:
+                ms, peak = _measure(fn, leaves, args.rep)
+                row.update(ms=ms, peak_mib=peak)
+                for t in leaves:
+                    t.grad = None
+                out = mod(hidden, top_i, top_w)
+                out.backward(dy)
+                outs[impl] = [out.detach()] + [t.grad.detach().clone() for t in leaves]
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+            rows.append(row)
+        if len(outs) == 2:
+            names = ("out", "d_hidden", "d_weights", "d_gate_up", "d_down")
+            diffs = {}
+            for name, a, b in zip(names, outs["deltafuse"], outs["grouped_mm"]):
+                a, b = a.double(), b.double()
+                diffs[name] = float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+            rows[-1]["rel_rms_vs_stock"] = diffs
+    finally:
+        if added:
+            del ExpertsInterface._global_mapping["deltafuse"]
+    return rows
+
+
+def _table(rows):
+    lines = [f"{'bench':<12} {'tokens':>7} {'case':<10} {'impl':<18} {'ms':>9} {'peak MiB':>10}  note"]
+    for r in rows:
+        case = r.get("head", f"E{r.get('experts', '')}k{r.get('top_k', '')}")
+        ms = f"{r['ms']:.3f}" if "ms" in r else "-"
+        peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else "-"
+        note = r.get("error", "")
+        if "loss_abs_diff_vs_stock" in r:
+            note = f"|loss - stock| = {r['loss_abs_diff_vs_stock']:.2e}"
+        if "rel_rms_vs_stock" in r:
+            note = "rel_rms vs stock: " + ", ".join(f"{k} {v:.1e}" for k, v in r["rel_rms_vs_stock"].items())
+        lines.append(f"{r['bench']:<12} {r['tokens']:>7} {case:<10} {r['impl']:<18} {ms:>9} {peak:>10}  {note}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import deltafuse.ops.cross_entropy  # noqa: F401  (imports must work everywhere)
+    import deltafuse.ops.moe  # noqa: F401
+
+    _register_ops()
+    plan = ([f"loss: tokens={t} hidden={args.hidden} vocab={args.vocab} head={args.head} "
+             f"extra Triton chunk sizes={args.chunk_sizes}" for t in args.tokens]
+            if not args.skip_loss else []) + \
+        ([f"experts: tokens={args.moe_tokens} E={args.experts} top-{args.top_k} I={args.moe_intermediate} "
+          f"H={args.hidden}"] if not args.skip_moe else [])
+    if args.dry_run:
+        print("dry run; would benchmark:\n  " + "\n  ".join(plan) + f"\nand write {args.out}")
+        return 0
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU (use --dry-run to check arguments on CPU)", file=sys.stderr)
+        return 2
+    rows = []
+    if not args.skip_loss:
+        rows += _loss_cases(args)
+    if not args.skip_moe:
+        rows += _moe_cases(args)
+    print(_table(rows))
+    result = {"stack": _stack(), "args": vars(args), "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

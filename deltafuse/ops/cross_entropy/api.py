@@ -1,0 +1,114 @@
+"""Public fused linear cross-entropy (lm_head + shift + loss in chunks); the registry picks the implementation."""
+
+from __future__ import annotations
+
+import torch
+
+from deltafuse import backends
+from deltafuse.backends.cross_entropy import FUSED_LINEAR_CROSS_ENTROPY
+from deltafuse.ops import _checks as check
+
+REDUCTIONS = ("mean", "sum")
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _shift(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """transformers' causal shift: position i predicts label i + 1; the last position of each row is ignored."""
+    pad = torch.full(labels.shape[:-1] + (1,), ignore_index, dtype=labels.dtype, device=labels.device)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def _check_num_items(num_items_in_batch, reduction):
+    if num_items_in_batch is None:
+        return
+    if reduction != "mean":
+        check.fail(f"num_items_in_batch={num_items_in_batch!r} replaces the mean's denominator; it needs "
+                   f"reduction='mean', got reduction={reduction!r}")
+    if torch.is_tensor(num_items_in_batch):
+        if num_items_in_batch.numel() != 1 or num_items_in_batch.dtype == torch.bool or \
+                num_items_in_batch.is_complex():
+            check.fail(f"num_items_in_batch must be a number or a one-element real tensor, got shape "
+                       f"{check.shape(num_items_in_batch)} dtype {num_items_in_batch.dtype}")
+        return
+    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float)) or \
+            num_items_in_batch < 0:
+        check.fail(f"num_items_in_batch must be None, a number >= 0 or a one-element tensor, "
+                   f"got {num_items_in_batch!r}")
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                               bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                               num_items_in_batch=None, shift: bool = True, chunk_size: int | None = None,
+                               return_logits: bool = False, **kwargs):
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without [tokens, V] logits.
+
+    hidden: [..., T, H] (any float dtype); weight: [V, H] of hidden's dtype (an ``lm_head`` weight, or a
+    tied input embedding, trainable or frozen); bias: [V] or None; labels: integer, hidden.shape[:-1]
+    (moved to hidden's device, as transformers does). ``shift=True`` applies transformers' causal shift
+    (position t predicts labels[..., t + 1]); ``shift=False`` takes labels as already aligned (transformers'
+    ``shift_labels``). Tokens whose label is ``ignore_index`` do not count.
+
+    reduction 'mean' divides the summed token losses by the number of counted tokens (NaN when every token is
+    ignored, as ``torch.nn.functional.cross_entropy`` gives), or by ``num_items_in_batch`` when it is given
+    (transformers' gradient-accumulation normalisation); 'sum' returns the sum. The softmax is computed in
+    fp32 (fp64 for fp64 inputs). ``chunk_size`` tokens are projected at a time (default: a power of two with
+    chunk * V about tokens * H, at least 64 tokens, at least 1,024 with a trainable head). With
+    ``return_logits=True`` returns ``(loss, logits)``; the logits ([..., T, V], hidden's dtype) are the same
+    projection and carry no gradient. ``backend=`` may force 'triton' or 'torch'.
+    """
+    backend = kwargs.pop("backend", None)
+    if kwargs:
+        check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
+    check.tensor("hidden", hidden)
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        check.fail(f"hidden must be [..., H] with H > 0, got shape {check.shape(hidden)}")
+    H = hidden.shape[-1]
+    check.tensor("weight", weight, 2)
+    if weight.shape[1] != H or weight.shape[0] == 0:
+        check.fail(f"weight must be [V, H] = [V, {H}] with V > 0 for hidden of shape {check.shape(hidden)}, "
+                   f"got {check.shape(weight)}")
+    if weight.dtype != hidden.dtype:
+        check.fail(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}; they must match (as for "
+                   f"nn.Linear)")
+    V = weight.shape[0]
+    if bias is not None:
+        check.tensor("bias", bias, 1)
+        if bias.shape[0] != V or bias.dtype != hidden.dtype:
+            check.fail(f"bias must be [V] = ({V},) of dtype {hidden.dtype}, got {check.shape(bias)} {bias.dtype}")
+    check.tensor("labels", labels, dtypes=_INT_DTYPES)
+    if labels.shape != hidden.shape[:-1]:
+        check.fail(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
+                   f"got {check.shape(labels)}")
+    if not isinstance(shift, bool):
+        check.fail(f"shift must be True or False, got {shift!r}")
+    if shift and labels.dim() < 1:
+        check.fail(f"shift=True needs a sequence dimension: hidden must be [..., T, H], got {check.shape(hidden)}")
+    if not _is_int(ignore_index):
+        check.fail(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        check.fail(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+    _check_num_items(num_items_in_batch, reduction)
+    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
+        check.fail(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    if not isinstance(return_logits, bool):
+        check.fail(f"return_logits must be True or False, got {return_logits!r}")
+    check.same_device("hidden", hidden, weight=weight, bias=bias)
+
+    labels = labels.to(device=hidden.device)
+    if check.values_checkable(labels) and labels.numel():
+        bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
+        if bool(bad.any()):
+            first = labels[bad].flatten()[0].item()
+            check.fail(f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}, got {first}")
+    targets = (_shift(labels, ignore_index) if shift else labels).reshape(-1).to(torch.int64)
+    hidden2 = hidden.reshape(-1, H)
+    impl = backends.select(FUSED_LINEAR_CROSS_ENTROPY, backends.call_info(hidden, weight, bias), backend)
+    loss, logits = impl(hidden2, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
+                        return_logits)
+    if return_logits:
+        return loss, logits.view(*hidden.shape[:-1], V)
+    return loss

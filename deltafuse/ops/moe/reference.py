@@ -1,0 +1,240 @@
+"""MoE experts of the Qwen3.5-MoE / Qwen3-Next family in torch: grouped matmuls with a lean autograd Function.
+
+Math (transformers' experts module, 3-D parameters ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I],
+no bias, gate and up concatenated as [gate; up] along 2I): for token n and its j-th routed expert e,
+``y = down[e] @ (silu(gate) * up)`` with ``[gate; up] = gate_up[e] @ x_n``, and the output is
+``sum_j w[n, j] * y``.
+
+Forward: the N*k (token, expert) slots are sorted by expert (stable), group offsets come from a
+``searchsorted`` on the sorted ids (no host sync), the hidden rows are gathered, then one grouped matmul for
+gate_up, SiLU * up (deltafuse's swiglu op: reads the two strided halves in place, and its backward serves
+ours), one grouped matmul for down, and the weighted sum over each token's k slots is one batched
+[1, k] x [k, H] product per token (deterministic; no atomics).
+
+Backward: only the gate_up output [S, 2I] is kept (plus the sort permutation and offsets; the hidden states
+and weights are inputs). The gathered hidden rows and SiLU * up are recomputed; the down projection output is
+never needed because the routing-weight gradient is computed as <dout_n @ down[e], silu(gate) * up>, i.e.
+from the same [S, I] product that feeds the rest of the backward. The stock grouped path keeps the gathered
+hidden rows, the down output, the activation and its product (two [S, H] and two [S, I] tensors more).
+
+Grouped matmuls use ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` when a one-time probe says
+they work for the device and dtype and the call's strides are 16-byte aligned; otherwise a loop over
+experts (one host sync to read the offsets). Weight gradients of experts that received no token are zeroed
+explicitly on devices where the grouped kernel is known to leave them non-zero (Blackwell, ROCm).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from deltafuse.backends import probes
+
+_GROUPED = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_call(a, b, offs):
+    if getattr(F, "grouped_mm", None) is not None:
+        return F.grouped_mm(a, b, offs=offs)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def _loop_mm(x, w, offs):
+    """x [S, K] @ w[e] [K, M] for each group of rows -> [S, M]."""
+    out = x.new_empty((x.shape[0], w.shape[2]))
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(x[start:end], w[e], out=out[start:end])
+        start = end
+    return out
+
+
+def _loop_wgrad(a, b, offs, n_groups):
+    """sum over each group's rows of a[s]^T b[s]: a [S, P], b [S, Q] -> [E, P, Q]."""
+    out = a.new_zeros((n_groups, a.shape[1], b.shape[1]))
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(a[start:end].t(), b[start:end], out=out[e])
+        start = end
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_works(device_type: str, index: int | None, dtype: torch.dtype) -> bool:
+    """One-time probe: the grouped kernel runs for this device/dtype and matches the loop (empty group incl.)."""
+    if _GROUPED is None:
+        return False
+    if device_type == "cuda":
+        cap = probes.cuda_capability(index)
+        if cap is None or cap < (8, 0) or torch.version.hip is not None:
+            return False
+    if device_type == "cpu" and probes.version_tuple(torch.__version__) < (2, 9):
+        return False
+    try:
+        dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 16, generator=gen).to(dev, dtype)
+        w = torch.randn(3, 32, 16, generator=gen).to(dev, dtype)
+        b = torch.randn(24, 8, generator=gen).to(dev, dtype)
+        offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=dev)
+        got = _grouped_call(x, w.transpose(1, 2), offs).float()
+        ref = _loop_mm(x.float(), w.float().transpose(1, 2), offs)
+        got_w = _grouped_call(x.t(), b, offs)[[0, 2]].float()
+        ref_w = _loop_wgrad(x.float(), b.float(), offs, 3)[[0, 2]]
+        tol = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+        ok = (got - ref).abs().max() <= tol * ref.abs().max() and (got_w - ref_w).abs().max() <= tol * ref_w.abs().max()
+        return bool(ok)
+    except Exception:  # not implemented for this device/dtype: the loop serves
+        return False
+
+
+def _aligned(*tensors) -> bool:
+    for t in tensors:
+        es = t.element_size()
+        if t.data_ptr() % 16:
+            return False
+        if any(s != 1 and (s * es) % 16 for s in t.stride()[-2:]):
+            return False
+    return True
+
+
+def _empty_groups_need_zeroing(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    if torch.version.hip is not None:
+        return True
+    cap = probes.cuda_capability(device.index)
+    return cap is not None and cap[0] >= 10
+
+
+class _Plan:
+    """Routing of one call: sorted slots, group offsets, the token of each sorted slot, the inverse order."""
+
+    def __init__(self, top_k_index: torch.Tensor, n_experts: int):
+        flat = top_k_index.reshape(-1)
+        self.k = top_k_index.shape[1]
+        sorted_ids, self.perm = torch.sort(flat, stable=True)
+        bounds = torch.arange(1, n_experts + 1, device=flat.device, dtype=sorted_ids.dtype)
+        self.offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+        self.token = self.perm // self.k
+        self.n_experts = n_experts
+
+    def inverse(self) -> torch.Tensor:
+        inv = torch.empty_like(self.perm)
+        inv[self.perm] = torch.arange(self.perm.numel(), device=self.perm.device)
+        return inv
+
+
+class _Matmuls:
+    def __init__(self, grouped: bool, n_experts: int, zero_empty: bool):
+        self.grouped, self.n_experts, self.zero_empty = grouped, n_experts, zero_empty
+
+    def mm(self, x, w, offs):
+        """x [S, K] @ w[e] ([K, M] view) per group."""
+        if self.grouped and _aligned(x, w):
+            return _grouped_call(x, w, offs)
+        return _loop_mm(x, w, offs)
+
+    def wgrad(self, a, b, offs):
+        if self.grouped and _aligned(a.t(), b):
+            out = _grouped_call(a.t(), b, offs)
+            if self.zero_empty:
+                counts = torch.diff(offs, prepend=offs.new_zeros(1))
+                out = torch.where((counts > 0).view(-1, 1, 1), out, torch.zeros((), dtype=out.dtype,
+                                                                                device=out.device))
+            return out
+        return _loop_wgrad(a, b, offs, self.n_experts)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    from deltafuse.ops.swiglu import swiglu
+
+    return swiglu(gate, up)
+
+
+class _MoeExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, top_k_weights, gate_up, down, top_k_index, mats, needs):
+        n, hdim = hidden.shape
+        k = top_k_index.shape[1]
+        inter = down.shape[2]
+        plan = _Plan(top_k_index, gate_up.shape[0])
+        x_g = hidden[plan.token]
+        gu = mats.mm(x_g, gate_up.transpose(1, 2), plan.offs)
+        del x_g
+        act = _swiglu(gu[:, :inter], gu[:, inter:])
+        y = mats.mm(act, down.transpose(1, 2), plan.offs)
+        del act
+        inv = plan.inverse()
+        y = y[inv].view(n, k, hdim)
+        w = top_k_weights.to(y.dtype).view(n, 1, k)
+        out = torch.bmm(w, y).view(n, hdim)
+        ctx.save_for_backward(hidden, top_k_weights, gate_up, down, gu)
+        ctx.plan, ctx.mats, ctx.needs = plan, mats, needs
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        hidden, top_k_weights, gate_up, down, gu = ctx.saved_tensors
+        plan, mats = ctx.plan, ctx.mats
+        need_h, need_w, need_gu, need_down = ctx.needs
+        n, hdim = hidden.shape
+        inter = down.shape[2]
+        dt = hidden.dtype
+        ct = torch.promote_types(dt, torch.float32)
+        dout = dout.to(dt).contiguous()
+        do_g = dout[plan.token]  # [S, H]: d(out) at each sorted slot's token
+        w_sorted = top_k_weights.reshape(-1)[plan.perm].to(dt)
+        g = mats.mm(do_g, down, plan.offs)  # [S, I] = dout_n @ down[e]
+        with torch.enable_grad():  # recompute SiLU * up through the swiglu op, to reuse its backward
+            gate = gu[:, :inter].detach().requires_grad_()
+            up = gu[:, inter:].detach().requires_grad_()
+            act = _swiglu(gate, up)
+        d_w = d_down = d_gu = d_hidden = None
+        if need_w:
+            dws = (g.to(ct) * act.detach().to(ct)).sum(-1)
+            d_w = torch.empty_like(dws)
+            d_w[plan.perm] = dws
+            d_w = d_w.view(n, plan.k).to(top_k_weights.dtype)
+        if need_down:
+            d_down = mats.wgrad(do_g, act.detach() * w_sorted[:, None], plan.offs)
+        del do_g
+        if need_h or need_gu:
+            dgate, dup = torch.autograd.grad(act, (gate, up), g * w_sorted[:, None])
+            del act, g
+            dgu = torch.cat([dgate, dup], dim=-1)
+            del dgate, dup
+            if need_gu:
+                d_gu = mats.wgrad(dgu, hidden[plan.token], plan.offs)
+            if need_h:
+                dx = mats.mm(dgu, gate_up, plan.offs)[plan.inverse()]
+                d_hidden = dx.view(n, plan.k, hdim).sum(1, dtype=ct).to(dt)
+        return d_hidden, d_w, d_gu, d_down, None, None, None
+
+
+def _moe(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped: bool):
+    grad = torch.is_grad_enabled()
+    needs = tuple(grad and t.requires_grad for t in (hidden, top_k_weights, gate_up_proj, down_proj))
+    if top_k_index.numel() == 0:
+        anchor = sum((t.sum() * 0) for t in (top_k_weights, gate_up_proj, down_proj))
+        return torch.zeros_like(hidden) + anchor.to(hidden.dtype)
+    dev = hidden.device
+    use = grouped and _grouped_works(dev.type, dev.index, hidden.dtype)
+    mats = _Matmuls(use, gate_up_proj.shape[0], _empty_groups_need_zeroing(dev))
+    return _MoeExperts.apply(hidden, top_k_weights, gate_up_proj, down_proj, top_k_index, mats, needs)
+
+
+def moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    """Grouped matmuls where the device/dtype supports them, else a loop over experts."""
+    return _moe(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped=True)
+
+
+def moe_experts_torch_loop(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    """Always the loop over experts (what the grouped path falls back to); for tests and comparisons."""
+    return _moe(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped=False)

@@ -1,0 +1,568 @@
+"""Fused linear cross-entropy: torch and Triton vs the float64 oracle, parity with transformers' ForCausalLMLoss,
+the memory property (nothing of size tokens x vocab kept for the backward), edge cases and argument checks.
+
+Without CUDA the Triton softmax step runs under the interpreter in fp32 on tiny shapes. ``gpu`` tests need
+CUDA: bf16 at Qwen3.5's vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltafuse.backends import cross_entropy as ce_backends
+from deltafuse.backends.registry import CallInfo, Registry
+from deltafuse.ops.cross_entropy import reference
+from deltafuse.ops.cross_entropy.naive import naive_linear_cross_entropy
+from tests.helpers import assert_rel_close, rel_rms
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not interpreted)")
+OP = ce_backends.FUSED_LINEAR_CROSS_ENTROPY
+
+
+def _api():
+    from deltafuse.ops.cross_entropy import fused_linear_cross_entropy
+
+    return fused_linear_cross_entropy
+
+
+def _kernel():
+    triton = pytest.importorskip("triton")
+    from deltafuse.ops.cross_entropy import kernel
+
+    if DEVICE == "cpu" and not isinstance(kernel._ce_chunk_kernel, triton.runtime.interpreter.InterpretedFunction):
+        pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)")
+    return kernel
+
+
+def _inputs(B, T, H, V, *, bias=False, dtype=torch.float32, device=DEVICE, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(B, T, H, generator=gen) * scale).to(device, dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen) / math.sqrt(H)).to(device, dtype).requires_grad_()
+    b = (0.5 * torch.randn(V, generator=gen)).to(device, dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, V, (B, T), generator=gen).to(device)
+    return hidden, weight, b, labels
+
+
+def _grads(loss, tensors):
+    tensors = [t for t in tensors if t is not None and t.requires_grad]
+    return torch.autograd.grad(loss, tensors, allow_unused=True)
+
+
+def _compare(hidden, weight, bias, labels, tol, backend, **kw):
+    """The op (given backend) vs the float64 oracle: loss and the gradient of hidden, weight and bias."""
+    fl = _api()
+    loss = fl(hidden, weight, labels, bias=bias, backend=backend, **kw)
+    leaves = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None
+              for t in (hidden, weight, bias)]
+    kw_ref = {k: v for k, v in kw.items() if k != "chunk_size"}
+    ref = naive_linear_cross_entropy(leaves[0], leaves[1], labels, bias=leaves[2], **kw_ref)
+    assert loss.dtype == torch.promote_types(hidden.dtype, torch.float32)
+    if torch.isnan(ref):
+        assert torch.isnan(loss), f"expected NaN (every token ignored), got {loss}"
+    else:
+        assert_rel_close(loss.reshape(1), ref.reshape(1), tol, "loss")
+    got = _grads(loss, (hidden, weight, bias))
+    want_leaves = [t for t in leaves if t is not None and t.requires_grad]
+    if ref.requires_grad and not torch.isnan(ref):
+        want = torch.autograd.grad(ref, want_leaves, allow_unused=True)
+    else:  # every token ignored: the stock loss gives zero gradients
+        want = [torch.zeros_like(t) for t in want_leaves]
+    for name, a, b in zip(("hidden", "weight", "bias"), got, want):
+        assert a is not None, f"d{name} missing"
+        if b.abs().max() == 0:
+            assert float(a.abs().max()) == 0.0, f"d{name} must be exactly zero"
+        else:
+            assert_rel_close(a, b, tol, f"d{name}")
+
+
+def _labels_case(labels, case, V, ignore=-100):
+    labels = labels.clone()
+    if case == "ignored":
+        labels[:, ::3] = ignore
+    elif case == "single_valid":
+        labels.fill_(ignore)
+        labels[0, 2] = V - 1  # after the shift, position 1 predicts it: one counted token
+    elif case == "all_ignored":
+        labels.fill_(ignore)
+    return labels
+
+
+CASES = ["plain", "ignored", "single_valid", "all_ignored"]
+KWARGS = [dict(), dict(reduction="sum"), dict(num_items_in_batch=11), dict(num_items_in_batch=torch.tensor(5)),
+          dict(shift=False)]
+
+
+# --- torch reference vs float64 ------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kw", KWARGS, ids=["mean", "sum", "num_items_int", "num_items_tensor", "noshift"])
+def test_torch_matches_float64(case, kw):
+    B, T, H, V = 2, 7, 16, 37  # V and the 14 tokens are not multiples of the chunk (5)
+    hidden, weight, bias, labels = _inputs(B, T, H, V, bias=True)
+    _compare(hidden, weight, bias, _labels_case(labels, case, V), 2e-6, "torch", chunk_size=5, **kw)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3, 14, 1000])
+def test_chunk_size_does_not_change_the_result(chunk):
+    hidden, weight, _, labels = _inputs(2, 7, 8, 29, seed=1)
+    labels[1, 3] = -100
+    _compare(hidden, weight, None, labels, 2e-6, "torch", chunk_size=chunk)
+
+
+def test_float64_inputs_are_computed_in_float64():
+    hidden, weight, bias, labels = _inputs(1, 9, 8, 21, bias=True, dtype=torch.float64, device="cpu")
+    _compare(hidden, weight, bias, labels, 1e-12, "torch", chunk_size=4)
+
+
+def test_custom_ignore_index_and_frozen_weight():
+    hidden, weight, _, labels = _inputs(2, 6, 8, 19, seed=3)
+    weight.requires_grad_(False)
+    labels[0, 1] = labels[1, 4] = 7
+    fl = _api()
+    loss = fl(hidden, weight, labels, ignore_index=7, chunk_size=4)
+    h64 = hidden.detach().double().requires_grad_()
+    ref = naive_linear_cross_entropy(h64, weight.double(), labels, ignore_index=7)
+    assert_rel_close(loss.reshape(1), ref.reshape(1), 2e-6, "loss")
+    (dh,) = torch.autograd.grad(loss, hidden)
+    assert_rel_close(dh, torch.autograd.grad(ref, h64)[0], 2e-6, "dhidden")
+    assert weight.grad is None
+
+
+def test_all_ignored_matches_stock_nan_and_zero_gradients():
+    hidden, weight, bias, labels = _inputs(1, 5, 8, 13, bias=True)
+    labels.fill_(-100)
+    fl = _api()
+    loss = fl(hidden, weight, labels, bias=bias)
+    assert torch.isnan(loss)
+    for g in _grads(loss, (hidden, weight, bias)):
+        assert torch.equal(g, torch.zeros_like(g))
+    assert float(fl(hidden, weight, labels, num_items_in_batch=4).detach()) == 0.0
+    assert float(fl(hidden, weight, labels, reduction="sum").detach()) == 0.0
+
+
+def test_gradient_is_scaled_by_the_incoming_gradient():
+    hidden, weight, bias, labels = _inputs(2, 5, 8, 17, bias=True, seed=4)
+    fl = _api()
+    g1 = _grads(fl(hidden, weight, labels, bias=bias, chunk_size=3), (hidden, weight, bias))
+    g3 = _grads(-2.5 * fl(hidden, weight, labels, bias=bias, chunk_size=3), (hidden, weight, bias))
+    for a, b in zip(g1, g3):
+        assert_rel_close(b, -2.5 * a, 1e-6)
+
+
+def test_backward_twice_with_retained_graph_accumulates_correctly():
+    """The precomputed gradients are handed over unscaled for an incoming 1: a second backward must still add
+    the same amount (nothing saved was modified in place)."""
+    hidden, weight, bias, labels = _inputs(2, 5, 8, 17, bias=True, seed=15)
+    loss = _api()(hidden, weight, labels, bias=bias, chunk_size=4)
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in (hidden, weight, bias)]
+    loss.backward()
+    for t, g in zip((hidden, weight, bias), first):
+        assert_rel_close(t.grad, 2 * g, 1e-6)
+
+
+def test_no_grad_computes_only_the_loss():
+    hidden, weight, _, labels = _inputs(2, 5, 8, 17, seed=5)
+    calls = []
+
+    def spy(logits, targets, ignore_index, row_scale):
+        calls.append(row_scale)
+        return reference.chunk_softmax_grad_torch(logits, targets, ignore_index, row_scale)
+
+    with torch.no_grad():
+        loss, _ = reference.fused_linear_cross_entropy_chunked(hidden.reshape(-1, 8), weight, None,
+                                                               labels.reshape(-1), -100, "mean", None, 4, False,
+                                                               spy)
+    assert calls and all(c is None for c in calls)
+    assert not loss.requires_grad
+
+
+# --- memory property -----------------------------------------------------------------------------------
+def test_nothing_of_size_tokens_by_vocab_is_saved_or_built():
+    """N x V = 64 x 1024 fp32 would be 256 KiB; nothing that large is saved for the backward, and no chunk's
+    logits exceed chunk x V."""
+    N, H, V, chunk = 64, 8, 1024, 16
+    hidden, weight, bias, labels = _inputs(1, N, H, V, bias=True, seed=6)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    shapes = []
+
+    def spy(logits, targets, ignore_index, row_scale):
+        shapes.append(tuple(logits.shape))
+        return reference.chunk_softmax_grad_torch(logits, targets, ignore_index, row_scale)
+
+    targets = torch.cat([labels[0, 1:], labels.new_full((1,), -100)])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, logits = reference.fused_linear_cross_entropy_chunked(hidden.reshape(N, H), weight, bias, targets,
+                                                                    -100, "mean", None, chunk, False, spy)
+    assert logits is None
+    assert saved, "the backward must keep the precomputed gradients"
+    assert max(saved) < N * V, f"a saved tensor has {max(saved)} elements >= N*V = {N * V}"
+    assert max(saved) <= max(V * H, N * H, V)
+    assert shapes and all(s[0] <= chunk and s[1] == V for s in shapes)
+    loss.backward()
+    ref = naive_linear_cross_entropy(hidden.detach().double(), weight.detach().double(), labels,
+                                     bias=bias.detach().double())
+    assert_rel_close(loss.reshape(1), ref.reshape(1), 2e-6)
+
+
+def test_public_op_through_a_model_graph_saves_no_logits():
+    """The same property through the public op inside a larger graph (a linear layer before the head)."""
+    N, H, V = 48, 8, 2048
+    hidden, weight, _, labels = _inputs(1, N, H, V, seed=7)
+    pre = torch.nn.Linear(H, H).to(DEVICE)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel()), t)[1], lambda t: t):
+        loss = _api()(pre(hidden), weight, labels, chunk_size=8)
+    assert max(saved) < N * V
+    loss.backward()
+    assert hidden.grad is not None and weight.grad is not None and pre.weight.grad is not None
+
+
+# --- tied embeddings -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("trainable", [False, True])
+def test_tied_embedding(trainable):
+    """weight is the input embedding: frozen -> only hidden (and what made it) gets a gradient; trainable ->
+    the weight's gradient sums the embedding and head paths."""
+    gen = torch.Generator().manual_seed(8)
+    V, H, T = 23, 8, 9
+    emb = (torch.randn(V, H, generator=gen) / 3).to(DEVICE).requires_grad_(trainable)
+    mix = torch.randn(H, H, generator=gen).to(DEVICE).requires_grad_()
+    ids = torch.randint(0, V, (2, T), generator=gen).to(DEVICE)
+    labels = ids.clone()
+    labels[0, :2] = -100
+
+    def run(e, m, fn):
+        hidden = torch.tanh(F.embedding(ids, e) @ m)
+        return fn(hidden, e)
+
+    loss = run(emb, mix, lambda h, e: _api()(h, e, labels, chunk_size=4))
+    emb64 = emb.detach().double().requires_grad_(trainable)
+    mix64 = mix.detach().double().requires_grad_()
+    ref = run(emb64, mix64, lambda h, e: naive_linear_cross_entropy(h, e, labels))
+    assert_rel_close(loss.reshape(1), ref.reshape(1), 2e-6, "loss")
+    targets = [mix] + ([emb] if trainable else [])
+    got = torch.autograd.grad(loss, targets)
+    want = torch.autograd.grad(ref, [mix64] + ([emb64] if trainable else []))
+    for a, b in zip(got, want):
+        assert_rel_close(a, b, 2e-6)
+    assert emb.grad is None
+
+
+def test_return_logits_equals_the_projection_without_gradient():
+    hidden, weight, bias, labels = _inputs(2, 5, 8, 19, bias=True, seed=9)
+    loss, logits = _api()(hidden, weight, labels, bias=bias, chunk_size=3, return_logits=True)
+    assert logits.shape == (2, 5, 19) and not logits.requires_grad
+    assert torch.allclose(logits, F.linear(hidden, weight, bias).detach(), atol=1e-6, rtol=1e-6)
+    assert torch.equal(loss, _api()(hidden, weight, labels, bias=bias, chunk_size=3))
+
+
+# --- Triton softmax step (interpreted on CPU) ----------------------------------------------------------
+@pytest.mark.parametrize("V", [1, 37, 1500])
+def test_triton_chunk_step_matches_torch(V):
+    k = _kernel()
+    gen = torch.Generator().manual_seed(V)
+    x = (3 * torch.randn(6, V, generator=gen)).to(DEVICE)
+    x[2, :] += 80.0  # large logits: the running max must keep exp finite
+    t = torch.randint(0, V, (6,), generator=gen).to(DEVICE)
+    t[1] = -100
+    scale = torch.tensor([0.5, 0.0, 0.25, 1.0, 2.0, 0.5], device=DEVICE)
+    r_ref, g_ref = reference.chunk_softmax_grad_torch(x.clone(), t, -100, scale)
+    buf = x.clone()
+    r, g = k.chunk_softmax_grad_triton(buf, t, -100, scale)
+    assert g.data_ptr() == buf.data_ptr(), "the gradient is written over the logits in place"
+    assert_rel_close(r, r_ref, 1e-6, "row losses")
+    assert_rel_close(g, g_ref, 1e-6, "dlogits")
+    r2, none = k.chunk_softmax_grad_triton(x.clone(), t, -100, None)
+    assert none is None and torch.equal(r2, r)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kw", KWARGS[:3], ids=["mean", "sum", "num_items"])
+def test_triton_backend_matches_float64(case, kw):
+    _kernel()
+    B, T, H, V = 2, 6, 16, 45
+    hidden, weight, bias, labels = _inputs(B, T, H, V, bias=True, seed=10)
+    _compare(hidden, weight, bias, _labels_case(labels, case, V), 2e-6, "triton", chunk_size=5, **kw)
+
+
+# --- parity with transformers ---------------------------------------------------------------------------
+def _hf_loss():
+    pytest.importorskip("transformers")
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [dict(), dict(num_items_in_batch=torch.tensor(9)), dict(num_items_in_batch=4)],
+                         ids=["mean", "num_items_tensor", "num_items_int"])
+@pytest.mark.parametrize("case", ["ignored", "single_valid", "all_ignored"])
+def test_equals_transformers_for_causal_lm_loss(dtype, kw, case):
+    hf_loss = _hf_loss()
+    B, T, H, V = 2, 9, 16, 53
+    hidden, weight, _, labels = _inputs(B, T, H, V, dtype=dtype, device="cpu", seed=11, scale=2.0)
+    labels = _labels_case(labels, case, V)
+    stock = hf_loss(F.linear(hidden, weight), labels, V, **kw)
+    ours = _api()(hidden, weight, labels, chunk_size=4, **kw)
+    g_stock = torch.autograd.grad(stock, (hidden, weight))
+    g_ours = torch.autograd.grad(ours, (hidden, weight))
+    assert ours.dtype == stock.dtype == torch.float32
+    if torch.isnan(stock):
+        assert torch.isnan(ours)
+    else:
+        assert abs(float(ours.detach()) - float(stock.detach())) <= 1e-6 * max(1.0, abs(float(stock.detach())))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: weight gradient is summed over chunks in bf16-rounded parts
+    for a, b, name in zip(g_ours, g_stock, ("hidden", "weight")):
+        assert a.dtype == b.dtype == dtype
+        if b.abs().max() == 0:
+            assert torch.equal(a, b), name
+        else:
+            assert rel_rms(a, b) <= tol, f"d{name}: {rel_rms(a, b):.2e}"
+
+
+def test_equals_transformers_with_shift_labels():
+    """transformers' shift_labels (already aligned labels) is shift=False."""
+    hf_loss = _hf_loss()
+    hidden, weight, _, labels = _inputs(1, 8, 8, 31, device="cpu", seed=12)
+    shifted = torch.cat([labels[:, 1:], labels.new_full((1, 1), -100)], dim=1)
+    stock = hf_loss(F.linear(hidden, weight), None, 31, shift_labels=shifted)
+    ours = _api()(hidden, weight, shifted, shift=False, chunk_size=3)
+    assert abs(float(ours.detach()) - float(stock.detach())) <= 1e-6 * abs(float(stock.detach()))
+
+
+# --- selection and argument checks -----------------------------------------------------------------------
+def test_candidate_rules():
+    reg = Registry()
+    ce_backends.register(reg)
+    rows = {d.candidate: d for d in reg.explain(OP, CallInfo(torch.device("cpu"), torch.float32, True))}
+    assert rows["torch"].chosen
+    if INTERPRETED:
+        assert "only when forced" in rows["triton"].reason
+    rows = {d.candidate: d for d in reg.explain(OP, CallInfo(torch.device("cpu"), torch.bfloat16, True), "triton")}
+    assert not rows["triton"].chosen and rows["triton"].reason
+    rows = {d.candidate: d for d in reg.explain(OP, CallInfo(torch.device("cpu"), torch.float64, True))}
+    assert rows["torch"].chosen
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda h, w, l: _api()(h, w[:, :3], l), r"weight must be \[V, H\] = \[V, 8\].*got \(13, 3\)"),
+    (lambda h, w, l: _api()(h, w.double(), l), r"weight has dtype torch.float64 but hidden has torch.float32"),
+    (lambda h, w, l: _api()(h, w, l.float()), r"labels has dtype float32; allowed: int64"),
+    (lambda h, w, l: _api()(h, w, l[:, :2]), r"labels must have shape hidden.shape\[:-1\] = \(2, 5\), got \(2, 2\)"),
+    (lambda h, w, l: _api()(h, w, l, reduction="none"), r"reduction must be one of 'mean', 'sum', got 'none'"),
+    (lambda h, w, l: _api()(h, w, l, reduction="sum", num_items_in_batch=3),
+     r"num_items_in_batch=3 .* needs reduction='mean', got reduction='sum'"),
+    (lambda h, w, l: _api()(h, w, l, num_items_in_batch=-1), r"num_items_in_batch must be .* got -1"),
+    (lambda h, w, l: _api()(h, w, l, num_items_in_batch=torch.ones(2)), r"num_items_in_batch must be .*shape \(2,\)"),
+    (lambda h, w, l: _api()(h, w, l, chunk_size=0), r"chunk_size must be None or an int >= 1, got 0"),
+    (lambda h, w, l: _api()(h, w, l, ignore_index=1.5), r"ignore_index must be an int, got 1.5"),
+    (lambda h, w, l: _api()(h, w, l, bias=torch.zeros(4)), r"bias must be \[V\] = \(13,\).*got \(4,\)"),
+    (lambda h, w, l: _api()(h, w, l + 13), r"labels must lie in \[0, 13\) or equal ignore_index=-100, got 1[3-9]"),
+    (lambda h, w, l: _api()(h, w, l, shift=1), r"shift must be True or False, got 1"),
+    (lambda h, w, l: _api()(h, w, l, bogus=1), r"unexpected keyword.*'bogus'"),
+])
+def test_argument_errors_name_argument_value_and_allowed(call, match):
+    h, w, _, l = _inputs(2, 5, 8, 13, device="cpu")
+    with pytest.raises(ValueError, match=match):
+        call(h, w, l)
+
+
+# --- GPU: bf16 at Qwen3.5's vocabulary ---------------------------------------------------------------------
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gpu_bf16_matches_transformers_at_full_vocab(backend):
+    hf_loss = _hf_loss()
+    N, H, V = 2048, 2048, 248320
+    hidden, weight, _, labels = _inputs(1, N, H, V, dtype=torch.bfloat16, device="cuda", seed=13)
+    labels[0, ::7] = -100
+    stock = hf_loss(F.linear(hidden, weight), labels, V)
+    g_stock = torch.autograd.grad(stock, (hidden, weight))
+    ours = _api()(hidden, weight, labels, backend=backend)
+    g_ours = torch.autograd.grad(ours, (hidden, weight))
+    assert abs(float(ours.detach()) - float(stock.detach())) <= 2e-3 * abs(float(stock.detach()))
+    assert rel_rms(g_ours[0], g_stock[0]) < 2e-2
+    assert rel_rms(g_ours[1], g_stock[1]) < 2e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp32_triton_matches_float64():
+    hidden, weight, bias, labels = _inputs(2, 300, 64, 5003, bias=True, device="cuda", seed=14)
+    labels[:, ::5] = -100
+    _compare(hidden, weight, bias, labels, 1e-4, "triton", chunk_size=128)
+
+
+# --- model level: the loss-path adapter the transformers patch layer needs (kept here as its spec) -----------
+def _head_weight(head):
+    """(weight, bias) the fused loss can use for ``lm_head``, or None when only the stock path is right.
+
+    A plain nn.Linear: its parameters (a tied embedding included). A PEFT LoRA-wrapped head: the effective
+    weight W + sum of the active adapters' B @ A * scaling, built per call so autograd reaches A and B (a
+    [V, H] temporary, far below stock's [tokens, V] logits). LoRA dropout, DoRA, LoRA bias, merged or
+    disabled adapters and any other wrapper (modules_to_save ...): None."""
+    if type(head) is torch.nn.Linear:
+        return head.weight, head.bias
+    base = getattr(head, "base_layer", None)
+    if type(base) is not torch.nn.Linear or not hasattr(head, "get_delta_weight") or not hasattr(head, "lora_A") \
+            or getattr(head, "merged", False) or getattr(head, "disable_adapters", False) \
+            or getattr(head, "fan_in_fan_out", False):
+        return None
+    active = [a for a in head.active_adapters if a in head.lora_A]
+    for a in active:
+        if type(head.lora_dropout[a]) is not torch.nn.Identity or head.use_dora.get(a) or head.lora_bias.get(a):
+            return None
+    weight = base.weight
+    for a in active:
+        weight = weight + head.get_delta_weight(a).to(weight.dtype)
+    return weight, base.bias
+
+
+def _fused_causal_lm_forward(original):
+    """``*ForCausalLM.forward`` wrapper: with labels (by keyword) and gradients on, run the stock forward with
+    labels=None and an identity head (so its "logits" are the hidden states, already sliced by logits_to_keep),
+    then compute the loss with the fused op and add the router aux loss as stock does. Anything else: stock."""
+
+    def forward(self, *args, labels=None, **kwargs):
+        head = self.lm_head
+        if labels is None or args or not torch.is_grad_enabled() or kwargs.get("logits_to_keep", 0) != 0 \
+                or "_loss_function" in self.__dict__:
+            return original(self, *args, labels=labels, **kwargs)
+        wb = _head_weight(head)
+        if wb is None:
+            return original(self, *args, labels=labels, **kwargs)
+        head.forward = lambda h: h  # instance attribute: shadows the class forward for this call only
+        try:
+            out = original(self, labels=None, **kwargs)
+        finally:
+            del head.forward
+        shift_labels = kwargs.get("shift_labels")
+        loss = _api()(out.logits, wb[0], (labels if shift_labels is None else shift_labels),
+                      bias=wb[1], ignore_index=kwargs.get("ignore_index", -100),
+                      num_items_in_batch=kwargs.get("num_items_in_batch"), shift=shift_labels is None)
+        if getattr(out, "aux_loss", None) is not None:
+            loss = loss + self.router_aux_loss_coef * out.aux_loss.to(loss.device)
+        out.loss, out.logits = loss, None
+        return out
+
+    return forward
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
+def test_patched_tiny_models_equal_stock_loss_and_every_gradient(name, monkeypatch):
+    pytest.importorskip("transformers")
+    from deltafuse.models import build_model
+    from tests.ops.test_moe import _adapter
+
+    model = build_model(name, seed=16, vocab_size=97, num_hidden_layers=2,
+                        layer_types=["linear_attention", "full_attention"]).train()
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(17))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    kwargs = dict(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(15))
+    moe = hasattr(model.config, "num_experts")
+    if moe:
+        kwargs["output_router_logits"] = True  # the router aux loss joins the loss as in stock
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(**kwargs)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    stock_out, stock_grads = run()
+    assert stock_out.logits is not None
+    monkeypatch.setattr(type(model), "forward", _fused_causal_lm_forward(type(model).forward))
+    if moe:
+        from transformers.integrations.moe import ExpertsInterface
+
+        adapter = _adapter()
+        monkeypatch.setitem(ExpertsInterface._global_mapping, "deltafuse", adapter)
+        previous = model.get_experts_implementation()
+        model.set_experts_implementation("deltafuse")
+    try:
+        ours_out, ours_grads = run()
+    finally:
+        if moe:
+            model.set_experts_implementation(previous)
+    if moe:
+        assert adapter.calls and set(adapter.calls) == {"deltafuse"}
+    assert ours_out.logits is None
+    assert abs(float(ours_out.loss.detach()) - float(stock_out.loss.detach())) <= 2e-6 * float(stock_out.loss.detach())
+    assert set(ours_grads) == set(stock_grads)
+    for n in stock_grads:
+        assert_rel_close(ours_grads[n], stock_grads[n], 2e-5, n)
+    with torch.no_grad():  # evaluation: stock path, logits returned
+        assert model(**kwargs).logits is not None
+
+
+def test_default_chunk_size_rule():
+    """chunk * V ~ tokens * H (power of two), at least 64 tokens, at least 1,024 with a trainable head."""
+    d = reference.default_chunk_size
+    assert d(4096, 248320, 2048) == 64 and d(16384, 248320, 2048) == 256 and d(65536, 248320, 2048) == 1024
+    assert d(4096, 248320, 2048, trainable_head=True) == 1024
+    assert d(14, 37, 16) == 14 and d(1, 37, 16) == 1 and d(0, 37, 16) == 1
+
+
+def test_benchmark_script_imports_and_parses_on_cpu(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_loss_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_loss_moe", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main([str(tmp_path / "x.json"), "--dry-run", "--tokens", "4096", "--chunk-sizes", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens=4096" in out and "E=256 top-8 I=512 H=2048" in out and "[256]" in out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--top-k", "300"])
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_loss_adapter_with_peft_lora_on_the_head(dropout, monkeypatch):
+    """LoRA on lm_head: served with the effective weight (same loss and LoRA gradients as stock); with LoRA
+    dropout (not expressible as a weight) the stock path serves."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    from deltafuse.models import build_model
+
+    model = build_model("tiny", seed=18, vocab_size=97, num_hidden_layers=2,
+                        layer_types=["linear_attention", "full_attention"]).train()
+    model = peft.inject_adapter_in_model(
+        peft.LoraConfig(r=2, target_modules=["lm_head", "out_proj"], lora_dropout=dropout, init_lora_weights=False),
+        model)
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert any("lm_head" in n for n in lora)
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(19))
+
+    def run():
+        torch.manual_seed(20)  # same dropout masks in both runs
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in lora.items()}
+
+    stock, stock_grads = run()
+    monkeypatch.setattr(type(model), "forward", _fused_causal_lm_forward(type(model).forward))
+    ours, ours_grads = run()
+    if dropout:
+        assert ours.logits is not None, "LoRA dropout on the head must take the stock path"
+        assert float(ours.loss.detach()) == float(stock.loss.detach())
+        return
+    assert ours.logits is None, "a LoRA head without dropout is served by the fused loss"
+    assert abs(float(ours.loss.detach()) - float(stock.loss.detach())) <= 2e-6 * float(stock.loss.detach())
+    for n in stock_grads:
+        assert_rel_close(ours_grads[n], stock_grads[n], 2e-5, n)

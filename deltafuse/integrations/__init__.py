@@ -1,0 +1,1 @@
+"""Integrations of deltafuse's ops into model libraries (transformers)."""

@@ -1,0 +1,402 @@
+"""The one patching mechanism: applies the rows of the family maps, records what it replaced, restores it.
+
+A family map (``qwen3_5.py`` ...) is data: the modeling module it patches and a tuple of ``Route`` rows.
+A row names a target and what to put there:
+
+* ``global``   - a module global (``owner`` empty), looked up by name by transformers at call or init time;
+* ``class``    - a class attribute of class ``owner`` (a method: ``wrap=True`` builds the new method from the
+  original one);
+* ``instance`` - an attribute every instance of ``owner`` cached in its ``__init__`` (old design); applied to
+  the instances of a model passed to ``apply``.
+
+``design`` restricts a row to the old ("old": the module defines ``design_marker``) or new ("new") design
+of transformers' GDN integration. The patcher records (target, attribute, previous value, whether the
+target owned the attribute) for everything it changes, so ``revert`` restores the very objects it found;
+applying a row a second time is recognised and changes nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+MISSING = object()
+KINDS = ("global", "class", "instance")
+DESIGNS = ("any", "old", "new")
+SWITCHES = ("gdn", "fused_ops", "moe")
+
+
+@dataclass(frozen=True)
+class Route:
+    switch: str
+    kind: str
+    owner: str
+    attr: str
+    replacement: Any
+    design: str = "any"
+    wrap: bool = False
+    init_from: tuple[str, ...] = ()
+    note: str = ""
+
+    def __post_init__(self):
+        if self.switch not in SWITCHES:
+            raise ValueError(f"Route.switch={self.switch!r}; allowed: {', '.join(SWITCHES)}")
+        if self.kind not in KINDS:
+            raise ValueError(f"Route.kind={self.kind!r}; allowed: {', '.join(KINDS)}")
+        if self.design not in DESIGNS:
+            raise ValueError(f"Route.design={self.design!r}; allowed: {', '.join(DESIGNS)}")
+        if self.kind != "global" and not self.owner:
+            raise ValueError(f"Route {self.attr!r}: kind={self.kind!r} needs the owning class name")
+
+    def target_name(self, module: str) -> str:
+        if self.kind == "global":
+            return f"{module}.{self.attr}"
+        if self.kind == "class":
+            return f"{module}.{self.owner}.{self.attr}"
+        return f"{module}.{self.owner}(instance).{self.attr}"
+
+
+@dataclass(frozen=True)
+class FamilyMap:
+    family: str
+    module: str
+    routes: tuple[Route, ...]
+    design_marker: str = "is_fast_path_available"
+    doc: str = ""
+
+
+@dataclass
+class ReportRow:
+    switch: str
+    target: str
+    old: str
+    new: str
+    status: str  # applied | already applied | in place | not found | reverted | gone
+    count: int = 1
+    module: str = ""  # the modeling module of the row's family
+    note: str = ""
+
+    def short(self, text: str) -> str:
+        if self.module:
+            text = text.replace(self.module + ".", "")
+        return text.replace("deltafuse.integrations.transformers.adapters.", "deltafuse.")
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PatchReport:
+    """What ``apply`` (or ``revert``) did: one row per route and target, plus notes."""
+
+    enabled: bool
+    settings: dict
+    transformers: str | None
+    families: dict = field(default_factory=dict)  # family -> design, or why it was skipped
+    rows: list[ReportRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    model: str | None = None
+    action: str = "apply"
+
+    @property
+    def applied(self) -> list[ReportRow]:
+        return [r for r in self.rows if r.status in ("applied", "reverted")]
+
+    @property
+    def already_applied(self) -> list[ReportRow]:
+        return [r for r in self.rows if r.status == "already applied"]
+
+    def to_dict(self) -> dict:
+        return {"action": self.action, "enabled": self.enabled, "settings": dict(self.settings),
+                "transformers": self.transformers, "model": self.model, "families": dict(self.families),
+                "rows": [r.to_dict() for r in self.rows], "notes": list(self.notes)}
+
+    def __str__(self) -> str:
+        head = f"deltafuse {self.action}: "
+        if not self.enabled:
+            head += "patching is off (DELTAFUSE_PATCH), nothing was changed"
+        else:
+            done = len(self.applied)
+            head += f"{done} row(s) {'reverted' if self.action == 'revert' else 'applied'}"
+            if self.action == "apply":
+                head += f", {len(self.already_applied)} already applied"
+        lines = [head]
+        if self.settings:
+            lines.append("settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items()))
+        if self.transformers:
+            lines.append(f"transformers {self.transformers}")
+        if self.model:
+            lines.append(f"model: {self.model}")
+        for fam, what in self.families.items():
+            lines.append(f"family {fam}: {what}")
+        if self.rows:
+            width = max(len(r.short(r.target)) for r in self.rows)
+            module = None
+            for r in self.rows:
+                if r.module != module:
+                    module = r.module
+                    lines.append(f"{module or '(other)'}:")
+                count = f" x{r.count}" if r.count != 1 else ""
+                lines.append(f"  [{r.switch}] {r.short(r.target):<{width}}  {r.short(r.old)} -> {r.short(r.new)}  "
+                             f"({r.status}{count})" + (f"  # {r.note}" if r.note else ""))
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        return "\n".join(lines)
+
+
+def describe(value) -> str:
+    """A readable name of a patched object (function, class, method or None)."""
+    if value is MISSING:
+        return "<absent>"
+    if value is None:
+        return "None"
+    inner = getattr(value, "__deltafuse_wraps__", None)
+    if inner is not None:
+        return f"{getattr(value, '__deltafuse_factory__', 'deltafuse wrapper')}({describe(inner)})"
+    func = getattr(value, "__func__", value)
+    module = getattr(func, "__module__", None) or type(func).__module__
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
+    return f"{module}.{name}"
+
+
+@dataclass
+class _Record:
+    route: Route
+    target_ref: Callable[[], Any]  # returns the target or None once an instance is gone
+    attr: str
+    old: Any
+    had_own: bool
+    new: Any
+    label: str
+    module: str
+
+
+class Patcher:
+    """Applies family maps; keeps the records that ``revert`` needs. One instance per process."""
+
+    def __init__(self, maps):
+        self.maps = tuple(maps)
+        self._records: dict[tuple, _Record] = {}
+        self._order: list[tuple] = []
+        self._lock = threading.RLock()
+
+    # --- discovery ----------------------------------------------------------------------------------
+    def modules(self) -> dict[str, object]:
+        """Family -> imported modeling module, or the reason it is unavailable (a str)."""
+        found = {}
+        for fmap in self.maps:
+            try:
+                found[fmap.family] = importlib.import_module(fmap.module)
+            except Exception as exc:  # an absent family is a report line, not a crash
+                found[fmap.family] = f"not available ({type(exc).__name__}: {exc})"
+        return found
+
+    @staticmethod
+    def design(fmap: FamilyMap, module) -> str:
+        return "old" if hasattr(module, fmap.design_marker) else "new"
+
+    def family_module_names(self) -> set[str]:
+        return {fmap.module for fmap in self.maps}
+
+    def owns(self, cls: type) -> bool:
+        """True when ``cls`` (or a base class) is defined in one of the mapped modeling modules."""
+        names = self.family_module_names()
+        return any(getattr(c, "__module__", None) in names for c in getattr(cls, "__mro__", ()))
+
+    def has_records(self) -> bool:
+        return bool(self._records)
+
+    # --- apply ----------------------------------------------------------------------------------------
+    def apply(self, switches: dict[str, bool], model=None) -> tuple[dict, list[ReportRow], list[str]]:
+        rows: list[ReportRow] = []
+        notes: list[str] = []
+        families: dict[str, str] = {}
+        with self._lock:
+            modules = self.modules()
+            for fmap in self.maps:
+                module = modules[fmap.family]
+                if isinstance(module, str):
+                    families[fmap.family] = module
+                    continue
+                design = self.design(fmap, module)
+                families[fmap.family] = f"{design} design ({fmap.module})"
+                start = len(rows)
+                for route in fmap.routes:
+                    if route.design not in ("any", design) or not switches.get(route.switch, False):
+                        continue
+                    if route.kind == "global":
+                        rows.append(self._apply_attr(route, module, fmap.module))
+                    elif route.kind == "class":
+                        cls = getattr(module, route.owner, None)
+                        if not isinstance(cls, type):
+                            rows.append(ReportRow(route.switch, route.target_name(fmap.module), "<absent>", "",
+                                                  "not found"))
+                            continue
+                        rows.append(self._apply_attr(route, cls, fmap.module))
+                        if model is not None and route.attr == "forward":
+                            rows.extend(self._apply_hooked_forward(route, cls, fmap.module, model))
+                    elif model is not None:
+                        rows.extend(self._apply_instances(route, module, fmap.module, model))
+                notes_of = {route.target_name(fmap.module): route.note for route in fmap.routes if route.note}
+                for row in rows[start:]:
+                    row.module = fmap.module
+                    row.note = notes_of.get(row.target, "")
+            for switch in SWITCHES:
+                if not any(r.switch == switch for fmap in self.maps for r in fmap.routes):
+                    state = "on" if switches.get(switch) else "off"
+                    notes.append(f"{switch} ({state}): no routes exist yet for "
+                                 f"{', '.join(f.family for f in self.maps)}; nothing is patched for it")
+        return families, rows, notes
+
+    def _new_value(self, route: Route, current):
+        if route.wrap:
+            if current is MISSING or current is None:
+                raise RuntimeError(f"cannot wrap {route.owner}.{route.attr}: it does not exist")
+            return route.replacement(current)
+        return route.replacement
+
+    def _apply_attr(self, route: Route, target, module_name: str) -> ReportRow:
+        label = route.target_name(module_name)
+        attr = route.attr
+        had_own = attr in vars(target)
+        current = vars(target).get(attr, MISSING) if had_own else getattr(target, attr, MISSING)
+        key = (id(target), attr)
+        rec = self._records.get(key)
+        if rec is not None and rec.target_ref() is target and current is rec.new:
+            return ReportRow(route.switch, label, describe(rec.old), describe(rec.new), "already applied")
+        if current is MISSING:
+            return ReportRow(route.switch, label, "<absent>", describe(route.replacement), "not found")
+        if not route.wrap and current is route.replacement:
+            return ReportRow(route.switch, label, describe(current), describe(current), "in place")
+        new = self._new_value(route, current)
+        setattr(target, attr, new)
+        self._remember(key, _Record(route, _strong(target), attr, current, had_own, new, label, module_name))
+        return ReportRow(route.switch, label, describe(current), describe(new), "applied")
+
+    def _apply_hooked_forward(self, route, cls, module_name, model) -> list[ReportRow]:
+        """Instances whose forward an accelerate hook captured as ``_old_forward`` (a bound method)."""
+        rec = self._records.get((id(cls), route.attr))
+        if rec is None:
+            return []
+        applied, already = 0, 0
+        for inst in model.modules():
+            if not isinstance(inst, cls):
+                continue
+            bound = vars(inst).get("_old_forward", None)
+            if bound is None:
+                continue
+            key = (id(inst), "_old_forward")
+            mine = self._records.get(key)
+            if mine is not None and mine.target_ref() is inst and bound is mine.new:
+                already += 1
+                continue
+            if getattr(bound, "__func__", None) is not rec.old or getattr(bound, "__self__", None) is not inst:
+                continue
+            new = types.MethodType(rec.new, inst)
+            setattr(inst, "_old_forward", new)
+            self._remember(key, _Record(route, weakref.ref(inst), "_old_forward", bound, True, new,
+                                        f"{module_name}.{route.owner}(hooked instance)._old_forward", module_name))
+            applied += 1
+        label = f"{module_name}.{route.owner}(hooked instance)._old_forward"
+        out = []
+        if applied:
+            out.append(ReportRow(route.switch, label, describe(rec.old), describe(rec.new), "applied", applied))
+        if already:
+            out.append(ReportRow(route.switch, label, describe(rec.old), describe(rec.new), "already applied",
+                                 already))
+        return out
+
+    def _stock_init_value(self, module, route: Route):
+        """What the stock ``__init__`` caches for an instance row: the first non-None original global."""
+        for name in route.init_from:
+            rec = self._records.get((id(module), name))
+            value = rec.old if rec is not None else getattr(module, name, None)
+            if value is not None and value is not MISSING:
+                return value
+        return None
+
+    def _apply_instances(self, route: Route, module, module_name: str, model) -> list[ReportRow]:
+        cls = getattr(module, route.owner, None)
+        label = route.target_name(module_name)
+        if not isinstance(cls, type):
+            return [ReportRow(route.switch, label, "<absent>", "", "not found")]
+        counts: dict[tuple, int] = {}
+        for inst in model.modules():
+            if not isinstance(inst, cls):
+                continue
+            attrs = vars(inst)
+            key = (id(inst), route.attr)
+            rec = self._records.get(key)
+            current = attrs.get(route.attr, MISSING)
+            if rec is not None and rec.target_ref() is inst and current is rec.new:
+                status, old, new = "already applied", rec.old, rec.new
+            elif current is MISSING:
+                status, old, new = "not found", MISSING, route.replacement
+            else:
+                new = route.replacement
+                if current is new:
+                    # built while deltafuse was applied: the stock value is what __init__ would have cached
+                    old = self._stock_init_value(module, route)
+                    status = "applied (built while patched)"
+                else:
+                    old = current
+                    status = "applied"
+                setattr(inst, route.attr, new)
+                self._remember(key, _Record(route, weakref.ref(inst), route.attr, old, True, new, label, module_name))
+            row_key = (status, describe(old), describe(new))
+            counts[row_key] = counts.get(row_key, 0) + 1
+        return [ReportRow(route.switch, label, old, new, status, n) for (status, old, new), n in counts.items()]
+
+    def _remember(self, key, record: _Record) -> None:
+        if key in self._records:
+            # re-applied over a value someone else put there: keep the value deltafuse first found
+            first = self._records[key]
+            record = _Record(record.route, record.target_ref, record.attr, first.old, first.had_own, record.new,
+                             record.label, record.module)
+        else:
+            self._order.append(key)
+        self._records[key] = record
+
+    # --- revert ---------------------------------------------------------------------------------------
+    def mark(self) -> int:
+        """A position in the history of changes; ``revert(since=mark)`` undoes only what came after it."""
+        return len(self._order)
+
+    def revert(self, since: int = 0) -> list[ReportRow]:
+        rows = []
+        with self._lock:
+            for key in reversed(self._order[since:]):
+                rec = self._records[key]
+                target = rec.target_ref()
+                if target is None:
+                    rows.append(ReportRow(rec.route.switch, rec.label, describe(rec.new), describe(rec.old), "gone",
+                                          module=rec.module))
+                    continue
+                if rec.had_own:
+                    setattr(target, rec.attr, rec.old)
+                else:
+                    try:
+                        delattr(target, rec.attr)
+                    except AttributeError:
+                        pass
+                rows.append(ReportRow(rec.route.switch, rec.label, describe(rec.new), describe(rec.old), "reverted",
+                                      module=rec.module))
+            for key in self._order[since:]:
+                del self._records[key]
+            del self._order[since:]
+        merged: dict[tuple, ReportRow] = {}
+        for r in rows:
+            k = (r.switch, r.target, r.old, r.new, r.status)
+            if k in merged:
+                merged[k].count += 1
+            else:
+                merged[k] = r
+        return list(merged.values())
+
+
+def _strong(obj):
+    return lambda: obj

@@ -1,0 +1,322 @@
+"""``deltafuse verify``: stock transformers vs deltafuse on the same model and batch.
+
+Runs forward + backward twice on one model with the same weights and the same random batch: once stock
+(nothing patched), once with ``deltafuse.apply(model)``; then compares the loss, the logits and the gradient
+of every trainable parameter.
+
+With ``--packed`` the deltafuse run gets a padding-free packed batch (several sequences per row, B = 2,
+``position_ids`` restarting at 0, no attention mask, a length-1 sequence included, each sequence's first
+label set to -100 as padding-free collators do) and the reference is stock transformers run on every
+sequence alone (stock would leak state across the packed sequences). The reference loss is the token-
+weighted mean of the per-sequence losses, its gradients are those of that loss.
+
+Metrics per tensor: ``max_abs`` = max |a - b|, ``rel`` = max |a - b| / max |b| (b = stock). A tensor passes
+when ``rel <= rtol`` (or ``max_abs <= atol``, for tensors that are all but zero). Default tolerances:
+
+=========  =============  ==============
+dtype      CPU rtol       CUDA rtol
+=========  =============  ==============
+float32    1e-4           2e-3
+bfloat16   5e-2           5e-2
+float16    1e-2           1e-2
+=========  =============  ==============
+
+atol is 1e-6 (fp32) or 1e-3 (16-bit) times the largest |b| over all gradients. The stock and the deltafuse
+GDN compute the same maths in different orders (chunked WY forms, flattened packing), so fp32 agreement is
+to rounding, not bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+RTOL = {("cpu", torch.float32): 1e-4, ("cuda", torch.float32): 2e-3,
+        ("cpu", torch.bfloat16): 5e-2, ("cuda", torch.bfloat16): 5e-2,
+        ("cpu", torch.float16): 1e-2, ("cuda", torch.float16): 1e-2}
+ATOL_SCALE = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+
+# Packed batch: rows of sequence lengths (B = 2, equal row lengths; a length-1 sequence and one that
+# crosses a 64-token chunk boundary are included).
+PACKED_ROWS = ((23, 1, 66, 6), (40, 56))
+UNPACKED_SHAPE = (2, 70)
+
+
+class VerifyError(ValueError):
+    """verify cannot run as asked (bad model name, dtype or device, deltafuse already applied ...)."""
+
+
+@dataclass
+class Comparison:
+    name: str
+    max_abs: float
+    rel: float
+    ok: bool
+    shape: tuple = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class VerifyResult:
+    model: str
+    family: str | None
+    packed: bool
+    device: str
+    dtype: str
+    rtol: float
+    atol: float
+    transformers: str
+    comparisons: list[Comparison] = field(default_factory=list)
+    batch: dict = field(default_factory=dict)
+    patch_rows: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.comparisons) and all(c.ok for c in self.comparisons)
+
+    @property
+    def failures(self) -> list[Comparison]:
+        return [c for c in self.comparisons if not c.ok]
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "comparisons"}
+        out["ok"] = self.ok
+        out["comparisons"] = [c.to_dict() for c in self.comparisons]
+        return out
+
+    def format(self, limit: int | None = None) -> str:
+        head = (f"deltafuse verify: {self.model} ({self.family}), {'packed' if self.packed else 'unpacked'} batch "
+                f"{self.batch}, {self.device} {self.dtype}, transformers {self.transformers}\n"
+                f"tolerance: rel <= {self.rtol:g} (or max_abs <= {self.atol:.3g}); rel = max|a-b| / max|stock|")
+        width = max([len(c.name) for c in self.comparisons] + [4])
+        lines = [head, f"{'tensor':<{width}}  {'max_abs':>10}  {'rel':>10}  ok"]
+        shown = self.comparisons if limit is None else self.comparisons[:limit]
+        for c in shown:
+            lines.append(f"{c.name:<{width}}  {c.max_abs:10.3e}  {c.rel:10.3e}  {'yes' if c.ok else 'NO'}")
+        if limit is not None and len(self.comparisons) > limit:
+            lines.append(f"... {len(self.comparisons) - limit} more")
+        grads = [c for c in self.comparisons if c.name.startswith("grad ")]
+        worst = max(grads, key=lambda c: c.rel, default=None)
+        summary = f"{len(self.comparisons)} tensors compared ({len(grads)} parameter gradients)"
+        if worst is not None:
+            summary += f"; worst gradient {worst.name[5:]} rel {worst.rel:.3e}"
+        lines.append(summary)
+        lines.append("PASS" if self.ok else f"FAIL: {len(self.failures)} tensor(s) out of tolerance: "
+                     + ", ".join(c.name for c in self.failures[:10]))
+        return "\n".join(lines)
+
+
+def _compare(name: str, got: torch.Tensor | None, ref: torch.Tensor | None, rtol: float, atol: float) -> Comparison:
+    if got is None or ref is None:
+        ok = got is None and ref is None
+        return Comparison(name, 0.0 if ok else math.inf, 0.0 if ok else math.inf, ok)
+    if got.shape != ref.shape:
+        return Comparison(name, math.inf, math.inf, False, tuple(ref.shape))
+    a, b = got.detach().double(), ref.detach().double()
+    if a.numel() == 0:
+        return Comparison(name, 0.0, 0.0, True, tuple(b.shape))
+    if not torch.isfinite(a).all() or not torch.isfinite(b).all():
+        return Comparison(name, math.inf, math.inf, False, tuple(b.shape))
+    max_abs = (a - b).abs().max().item()
+    scale = b.abs().max().item()
+    rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    return Comparison(name, max_abs, rel, rel <= rtol or max_abs <= atol, tuple(b.shape))
+
+
+def _build(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int):
+    from deltafuse import models
+
+    if os.path.isdir(name_or_path):
+        model = models.load_local_model(name_or_path, dtype=dtype, device=device)
+    elif name_or_path in models.NAMED_MODELS:
+        model = models.build_model(name_or_path, dtype=dtype, device=device, seed=seed)
+    else:
+        known = ", ".join(models.NAMED_MODELS)
+        raise VerifyError(f"--model {name_or_path!r} is neither a known name ({known}) nor a local directory")
+    family = models.model_family(model)
+    if family is None:
+        raise VerifyError(f"--model {name_or_path!r} is a {type(model).__name__}, not a Qwen3.5 / Qwen3.5-MoE / "
+                          "Qwen3-Next causal LM")
+    return model, family
+
+
+def _param_grads(model) -> dict[str, torch.Tensor | None]:
+    return {n: (None if p.grad is None else p.grad.detach().clone())
+            for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _packed_batch(vocab: int, device, generator):
+    rows, pos, labels = [], [], []
+    for lengths in PACKED_ROWS:
+        ids = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
+        rows.append(ids)
+        pos.append(torch.cat([torch.arange(n) for n in lengths]))
+        lab = []
+        for seq in ids:
+            seq_labels = seq.clone()
+            seq_labels[0] = -100
+            lab.append(seq_labels)
+        labels.append(torch.cat(lab))
+    input_ids = torch.stack([torch.cat(r) for r in rows]).to(device)
+    return rows, input_ids, torch.stack(pos).to(device), torch.stack(labels).to(device)
+
+
+def _stock_per_sequence(model, rows, device):
+    """Reference for a packed batch: every sequence alone through stock transformers.
+
+    Returns (loss = token-weighted mean of the per-sequence losses, logits laid out like the packed batch);
+    gradients of that loss are left in the parameters.
+    """
+    counts = [len(seq) - 1 for row in rows for seq in row]
+    total = sum(counts)
+    logits_rows, loss_sum = [], 0.0
+    for row in rows:
+        parts = []
+        for seq in row:
+            ids = seq[None].to(device)
+            out = model(input_ids=ids, labels=ids if len(seq) > 1 else None, use_cache=False)
+            if len(seq) > 1:
+                weighted = out.loss * (len(seq) - 1) / total
+                weighted.backward()
+                loss_sum = loss_sum + weighted.detach()
+            else:
+                # no next token to predict: contributes no loss, but its logits are compared
+                (out.logits.sum() * 0.0).backward()
+            parts.append(out.logits.detach())
+        logits_rows.append(torch.cat(parts, 1))
+    return torch.as_tensor(loss_sum), torch.cat(logits_rows, 0)
+
+
+def verify_model(name_or_path: str, packed: bool = False, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | str = torch.float32, seed: int = 0, rtol: float | None = None,
+                 model=None) -> VerifyResult:
+    """Stock vs deltafuse on one model (named, local directory, or a ready ``model``); see the module doc."""
+    from deltafuse import patching
+    from deltafuse.integrations.transformers import PATCHER
+
+    import transformers
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise VerifyError(f"dtype={dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if dtype not in ATOL_SCALE:
+        raise VerifyError(f"dtype={dtype} is not supported; allowed: float32, bfloat16, float16")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise VerifyError(f"device={str(device)!r} is not supported; allowed: cpu, cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise VerifyError("device='cuda' was asked for but torch sees no CUDA device")
+    if PATCHER.has_records():
+        raise VerifyError("deltafuse is already applied in this process, so no stock run is possible; call "
+                          "deltafuse.revert() first")
+    settings_report = None
+    if model is None:
+        model, family = _build(name_or_path, device, dtype, seed)
+    else:
+        from deltafuse.models import model_family
+
+        family = model_family(patching.find_model(model))
+    model.train()
+    rtol = RTOL[(device.type, dtype)] if rtol is None else float(rtol)
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab = config.vocab_size
+
+    if packed:
+        rows, input_ids, position_ids, labels = _packed_batch(vocab, device, generator)
+        model.zero_grad(set_to_none=True)
+        ref_loss, ref_logits = _stock_per_sequence(model, rows, device)
+        ref_grads = _param_grads(model)
+        batch = {"rows": [list(r) for r in PACKED_ROWS], "position_ids": "restarting at 0, no attention mask"}
+        call = dict(input_ids=input_ids, position_ids=position_ids, labels=labels)
+    else:
+        B, T = UNPACKED_SHAPE
+        input_ids = torch.randint(0, vocab, (B, T), generator=generator).to(device)
+        call = dict(input_ids=input_ids, labels=input_ids, use_cache=False)
+        model.zero_grad(set_to_none=True)
+        out = model(**call)
+        out.loss.backward()
+        ref_loss, ref_logits = out.loss.detach(), out.logits.detach()
+        ref_grads = _param_grads(model)
+        batch = {"B": B, "T": T}
+
+    model.zero_grad(set_to_none=True)
+    with patching.patched(model, gdn=True) as settings_report:
+        if not settings_report.enabled:
+            raise VerifyError("DELTAFUSE_PATCH is off in the environment, so deltafuse cannot be applied; "
+                              "unset it (or set it to 1) to verify")
+        out = model(**call)
+        out.loss.backward()
+    loss, logits = out.loss.detach(), out.logits.detach()
+    grads = _param_grads(model)
+    model.zero_grad(set_to_none=True)
+
+    grad_scale = max([g.abs().max().item() for g in ref_grads.values() if g is not None] + [0.0])
+    atol = ATOL_SCALE[dtype] * max(grad_scale, 1e-30)
+    result = VerifyResult(model=name_or_path, family=family, packed=packed, device=str(device),
+                          dtype=str(dtype).replace("torch.", ""), rtol=rtol, atol=atol,
+                          transformers=transformers.__version__, batch=batch,
+                          patch_rows=len(settings_report.applied) if settings_report else 0)
+    result.comparisons.append(_compare("loss", loss, ref_loss, rtol, 0.0))
+    result.comparisons.append(_compare("logits", logits, ref_logits, rtol, 0.0))
+    for name, ref in ref_grads.items():
+        result.comparisons.append(_compare(f"grad {name}", grads.get(name), ref, rtol, atol))
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", metavar="NAME|PATH",
+                        help="tiny, tiny-moe, tiny-next (CPU sizes), dense8, moe8, or a local HF model directory "
+                             "(default: tiny)")
+    parser.add_argument("--packed", action="store_true",
+                        help="a packed batch (position_ids restarting) vs stock runs of each sequence alone")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default: cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default: float32")
+    parser.add_argument("--seed", type=int, default=0, help="weights and batch seed (default: 0)")
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="relative tolerance (default: 1e-4 fp32 CPU, 2e-3 fp32 CUDA, 5e-2 bf16, 1e-2 fp16)")
+
+
+def run(args) -> int:
+    """0 when every tensor is within tolerance, 1 when one is not, 2 when verify cannot run."""
+    try:
+        result = verify_model(args.model, packed=args.packed, device=args.device, dtype=args.dtype,
+                              seed=args.seed, rtol=args.rtol)
+    except (VerifyError, FileNotFoundError) as exc:
+        print(f"deltafuse verify: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from deltafuse.models import UnknownModelError
+
+        if isinstance(exc, UnknownModelError):
+            print(f"deltafuse verify: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.format())
+    return 0 if result.ok else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="deltafuse verify", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

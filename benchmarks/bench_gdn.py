@@ -1,0 +1,307 @@
+"""Gated delta rule kernels on one GPU: correctness against float64, then forward / forward+backward
+time and peak memory, for the HF torch fallback, FLA and deltafuse's Triton kernels, side by side.
+
+    python3 benchmarks/bench_gdn.py --out $OUT/gdn.json
+
+Correctness: relative RMS error vs the float64 step-by-step oracle at a small shape, for o and for each
+gradient (random upstream gradient). Timing: median of ``triton.testing.do_bench`` after warm-up, on
+random non-zero bf16 data, with use_qk_l2norm_in_kernel=True. Memory: peak allocated during one
+forward+backward minus what was allocated before it (inputs and upstream gradient excluded).
+
+FLA 0.6 refuses the GDN backward on Hopper with Triton < 3.7.1 (its outputs are wrong there). For the
+timing rows only, its guard ``fla.ops.common.chunk_o.IS_NVIDIA_HOPPER`` is set to False; those rows are
+labelled "fla (guard off)" and their correctness column shows what that backward computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+
+from deltafuse.ops.gated_delta import chunk as chunk_mod  # noqa: E402
+from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
+
+SHAPES = [(1, 4096, 16, 32, 128), (1, 16384, 16, 32, 128), (8, 2048, 16, 32, 128), (1, 65536, 16, 32, 128)]
+
+
+def make(B, T, H, HV, D, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    q = r(B, T, H, D).to(dtype)
+    k = r(B, T, H, D).to(dtype)
+    v = r(B, T, HV, D).to(dtype)
+    g = (-torch.nn.functional.softplus(r(B, T, HV) * 1.5 - 0.5)).to(dtype)
+    beta = torch.sigmoid(r(B, T, HV)).to(dtype)
+    return q, k, v, g, beta
+
+
+# ---------------------------------------------------------------------------------------------------
+# implementations: each takes (q, k, v, g, beta) with q/k at H heads and returns o
+# ---------------------------------------------------------------------------------------------------
+
+
+def ours(q, k, v, g, beta):
+    return chunk_mod.chunk_gated_delta_rule_triton(q, k, v, g, beta, q.shape[-1] ** -0.5, None, False, True)[0]
+
+
+def load_fla():
+    try:
+        import fla  # noqa: F401
+        import fla.ops.common.chunk_o as fla_chunk_o
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as e:  # noqa: BLE001
+        return None, f"fla not importable: {type(e).__name__}: {e}"
+    guard_off = False
+    if getattr(fla_chunk_o, "IS_NVIDIA_HOPPER", False):
+        fla_chunk_o.IS_NVIDIA_HOPPER = False  # timing only: FLA refuses this backward on this stack
+        guard_off = True
+
+    def fla_fn(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True)[0]
+
+    return fla_fn, ("fla (guard off)" if guard_off else "fla")
+
+
+def load_hf():
+    try:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    except Exception as e:  # noqa: BLE001
+        return None, f"transformers qwen3_5 not importable: {e}"
+    fn = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
+
+    def hf_fn(q, k, v, g, beta):
+        # transformers <= 5.22 repeats q/k to the value heads before calling the kernel; done here too
+        # (inside the timed region, as in the model's layer).
+        G = v.shape[2] // q.shape[2]
+        if G > 1:
+            q, k = q.repeat_interleave(G, dim=2), k.repeat_interleave(G, dim=2)
+        return fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    return hf_fn, "hf torch fallback"
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def correctness(fn, shape, seed=1):
+    B, T, H, HV, D = shape
+    xs = make(B, T, H, HV, D, seed=seed)
+    a = [x.clone().requires_grad_() for x in xs]
+    b = [x.double().requires_grad_() for x in xs]
+    o = fn(*a)
+    ro, _ = naive_gated_delta_rule(*b, D**-0.5, None, False, True)
+    do = torch.randn_like(ro)
+    (o.double() * do).sum().backward()
+    (ro * do).sum().backward()
+    errs = {"o": rel(o, ro)}
+    for n, x, y in zip(("q", "k", "v", "g", "beta"), a, b):
+        errs["d" + n] = rel(x.grad, y.grad) if x.grad is not None else float("nan")
+    tol = {"o": 3e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 1e-2, "dbeta": 1e-2}
+    ok = all(errs[n] <= t for n, t in tol.items())
+    return errs, ok
+
+
+def timing(fn, shape, rep_ms, seed=0):
+    B, T, H, HV, D = shape
+    xs = [x.requires_grad_() for x in make(B, T, H, HV, D, seed=seed)]
+    do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+
+    def fwd():
+        return fn(*xs)
+
+    def fwdbwd():
+        o = fn(*xs)
+        torch.autograd.backward(o, do)
+
+    fwdbwd()  # warm-up / compile / autotune
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for x in xs:
+        x.grad = None
+    fwdbwd()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    for x in xs:
+        x.grad = None
+    t_f = triton.testing.do_bench(fwd, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
+    t_fb = triton.testing.do_bench(fwdbwd, warmup=max(rep_ms // 4, 5), rep=rep_ms, grad_to_none=xs,
+                                   return_mode="median")
+    return t_f, t_fb, peak
+
+
+def breakdown(shape, iters=10):
+    """Per-stage device time of our forward+backward (CUDA events between kernel launches)."""
+    B, T, H, HV, D = shape
+    xs = [x.requires_grad_() for x in make(B, T, H, HV, D, seed=0)]
+    do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+    marks = []
+    prefix = ["f:"]
+
+    def hook(name):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        marks.append((prefix[0] + name, e))
+
+    per = {}
+    for it in range(iters + 2):
+        marks.clear()
+        prefix[0] = "f:"
+        chunk_mod.STAGE_HOOK = hook
+        hook("start")
+        o = ours(*xs)
+        prefix[0] = "b:"
+        hook("start")
+        torch.autograd.backward(o, do)
+        chunk_mod.STAGE_HOOK = None
+        torch.cuda.synchronize()
+        for x in xs:
+            x.grad = None
+        if it < 2:
+            continue
+        for (n0, e0), (n1, e1) in zip(marks[:-1], marks[1:]):
+            if n1.endswith("start"):
+                continue
+            per.setdefault(n1, []).append(e0.elapsed_time(e1))
+    chunk_mod.STAGE_HOOK = None
+    return {n: sorted(v)[len(v) // 2] for n, v in per.items()}
+
+
+def stack():
+    import importlib.metadata as md
+
+    def ver(p):
+        try:
+            return md.version(p)
+        except Exception:  # noqa: BLE001
+            return "absent"
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": ver("transformers"), "fla-core": ver("fla-core"), "cuda": torch.version.cuda,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--hf-max-tokens", type=int, default=16384,
+                    help="skip the HF torch fallback above this many tokens (B*T)")
+    ap.add_argument("--rep-ms", type=int, default=200)
+    ap.add_argument("--shapes", default="all", help="'all' or indices into the reference list, e.g. 0,1")
+    ap.add_argument("--check-shape", default="1,1024,16,32,128", help="B,T,H,HV,D for the correctness check")
+    ap.add_argument("--variants", default="", help="semicolon-separated OPTIONS overrides for extra rows of "
+                    "ours, e.g. 'f32_dots=1;state_dtype=fp32,inter_dtype=fp32'")
+    ap.add_argument("--breakdown", default="", help="shape indices for a per-stage timing of ours, e.g. 0,1")
+    ap.add_argument("--skip", default="", help="comma list of impls to skip: hf,fla,ours")
+    args = ap.parse_args()
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    check_shape = tuple(int(x) for x in args.check_shape.split(","))
+    info = stack()
+    print("stack:", json.dumps(info))
+    skip = set(filter(None, args.skip.split(",")))
+
+    impls = []
+    base_opts = dict(chunk_mod.OPTIONS)
+    if "ours" not in skip:
+        impls.append(("ours", ours, "deltafuse triton", {}))
+    for spec in filter(None, args.variants.split(";")):
+        over = {}
+        for kv in spec.split(","):
+            key, val = kv.split("=")
+            old = base_opts[key]
+            over[key] = (val in ("1", "true", "True")) if isinstance(old, bool) else (
+                int(val) if isinstance(old, int) else val)
+        impls.append(("ours[" + spec + "]", ours, "deltafuse triton " + json.dumps(over), over))
+    if "fla" not in skip:
+        fn, label = load_fla()
+        impls.append(("fla", fn, label))
+    if "hf" not in skip:
+        fn, label = load_hf()
+        impls.append(("hf", fn, label))
+
+    results = {"stack": info, "check_shape": check_shape, "rows": [], "breakdown": {}}
+    for i in filter(None, args.breakdown.split(",")):
+        shape = SHAPES[int(i)]
+        bd = breakdown(shape)
+        results["breakdown"][str(shape)] = bd
+        print(f"breakdown {shape}: total {sum(bd.values()):.3f} ms: " +
+              ", ".join(f"{n} {t:.3f}" for n, t in bd.items()), flush=True)
+    for entry in impls:
+        name, fn, label = entry[:3]
+        over = entry[3] if len(entry) > 3 else None
+        if fn is None:
+            print(f"{name}: unavailable ({label})")
+            results["rows"].append({"impl": name, "label": label, "unavailable": True})
+            continue
+        chunk_mod.OPTIONS.clear()
+        chunk_mod.OPTIONS.update(base_opts)
+        if over:
+            chunk_mod.OPTIONS.update(over)
+        try:
+            errs, ok = correctness(fn, check_shape)
+        except Exception as e:  # noqa: BLE001
+            errs, ok = {"error": f"{type(e).__name__}: {e}"[:300]}, False
+        print(f"{name}: correctness at {check_shape}: {'PASS' if ok else 'FAIL'} {errs}", flush=True)
+        for shape in shapes:
+            row = {"impl": name, "label": label, "shape": shape, "correct": ok, "errors": errs}
+            B, T = shape[:2]
+            if name == "hf" and B * T > args.hf_max_tokens:
+                row["skipped"] = f"B*T={B * T} > {args.hf_max_tokens}: the torch fallback would take minutes"
+            elif name.startswith("ours[") and shape != shapes[0]:
+                continue
+            else:
+                try:
+                    t_f, t_fb, peak = timing(fn, shape, args.rep_ms if name != "hf" else 50)
+                    row.update(fwd_ms=t_f, fwdbwd_ms=t_fb, peak_gib=peak / 2**30)
+                except torch.cuda.OutOfMemoryError as e:
+                    row["skipped"] = f"OOM: {str(e)[:120]}"
+                except Exception as e:  # noqa: BLE001
+                    row["skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
+                torch.cuda.empty_cache()
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    chunk_mod.OPTIONS.clear()
+    chunk_mod.OPTIONS.update(base_opts)
+
+    # table
+    by = {(r["impl"], tuple(r["shape"])): r for r in results["rows"] if "shape" in r}
+    lines = ["| (B,T,H,HV,D) | impl | correct | fwd ms | fwd+bwd ms | peak GiB | fwd+bwd vs ours |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for shape in shapes:
+        ref = by.get(("ours", tuple(shape)), {}).get("fwdbwd_ms")
+        for entry in impls:
+            r = by.get((entry[0], tuple(shape)))
+            if r is None:
+                continue
+            if "skipped" in r:
+                lines.append(f"| {tuple(shape)} | {r['label']} | {'yes' if r['correct'] else 'NO'} | - | - | - | "
+                             f"skipped: {r['skipped']} |")
+                continue
+            ratio = f"{r['fwdbwd_ms'] / ref:.2f}x" if ref else "-"
+            lines.append(f"| {tuple(shape)} | {r['label']} | {'yes' if r['correct'] else 'NO'} | "
+                         f"{r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {r['peak_gib']:.2f} | {ratio} |")
+    table = "\n".join(lines)
+    results["table"] = table
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Gated delta rule on the GPU machine: the GPU test subset, then the benchmark table.
+#
+#   OUT=/path/to/results bash benchmarks/run_gdn_gpu.sh [extra bench_gdn.py args]
+#
+# Run from the repository root. FLA is taken from a carried wheel in .whl/ when present
+# (fla_core-*.whl, einops-*.whl); writes gdn_tests.log, gdn_bench.log and gdn.json under $OUT.
+set -uo pipefail
+OUT=${OUT:-./deltafuse-out}
+mkdir -p "$OUT"
+if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/fla_core-*.whl $(ls .whl/einops-*.whl 2>/dev/null) && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gdn_gpu.txt"
+python3 -m pytest tests/ops/test_gdn_triton.py -m gpu -q -s 2>&1 | tee "$OUT/gdn_tests.log"
+tests_rc=${PIPESTATUS[0]}
+python3 benchmarks/bench_gdn.py --out "$OUT/gdn.json" "$@" 2>&1 | tee "$OUT/gdn_bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo "tests rc=$tests_rc bench rc=$bench_rc"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

@@ -1,0 +1,231 @@
+"""Triton gated delta rule (chunked forward/backward and recurrent decode) against the float64 oracle.
+
+Every check draws fresh random inputs, a random upstream gradient for o and for the final state, and
+compares o, the final state and every gradient by relative RMS error, rms(a - b) / rms(b), plus a
+max-abs bound so that a single unwritten or garbage element cannot hide in the mean.
+
+Without CUDA the kernels run under the Triton interpreter in fp32 on tiny shapes (the environment
+variable is set here, before Triton is imported). Tests marked ``gpu`` need CUDA and use bf16 / fp16 /
+fp32 on the shapes of Qwen3.5 layers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from deltafuse.ops.gated_delta import chunk as chunk_mod  # noqa: E402
+from deltafuse.ops.gated_delta.chunk import chunk_gated_delta_rule_triton  # noqa: E402
+from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
+from deltafuse.ops.gated_delta.recurrent import fused_recurrent_gated_delta_rule_triton  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if not torch.cuda.is_available() and not isinstance(chunk_mod._intra_fwd, triton.runtime.interpreter.InterpretedFunction):
+    pytest.skip("no CUDA and the Triton kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
+                allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not interpreted)")
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-300)).item()
+
+
+def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def make_inputs(B, T, H, HV, K, V, *, dtype, h0=True, cu=None, g_mode="normal", beta_mode="normal",
+                l2=True, device=DEVICE, seed=None):
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k = r(B, T, H, K), r(B, T, H, K)
+    if not l2:  # callers that do not normalise in the kernel pass unit-norm rows (as the models do)
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    v = r(B, T, HV, V)
+    # log-space decay: -softplus of a spread of logits, roughly in [-5, 0)
+    g = -torch.nn.functional.softplus(r(B, T, HV) * 1.5 - 0.5)
+    if g_mode == "tiny":
+        g = -1e-4 * torch.rand(B, T, HV, generator=gen)
+    elif g_mode == "strong":
+        g = torch.where(torch.rand(B, T, HV, generator=gen) < 0.3, torch.full_like(g, -30.0), g)
+    beta = torch.sigmoid(r(B, T, HV))
+    if beta_mode == "extreme":
+        pick = torch.rand(B, T, HV, generator=gen)
+        beta = torch.where(pick < 0.3, torch.zeros_like(beta), torch.where(pick > 0.7, torch.ones_like(beta), beta))
+    N = B if cu is None else len(cu) - 1
+    s0 = r(N, HV, K, V) if h0 else None
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device) if cu is not None else None
+    xs = dict(q=q, k=k, v=v, g=g, beta=beta)
+    xs = {n: x.to(device=device, dtype=dtype) for n, x in xs.items()}
+    xs["g"] = xs["g"].float() if dtype == torch.float32 else xs["g"]
+    if s0 is not None:
+        xs["initial_state"] = s0.to(device=device, dtype=torch.float32)
+    return xs, cu_t
+
+
+def check_chunk(B, T, H, HV, K, V, *, dtype, tol_o, tol_grad, tol_gb, h0=True, cu=None, l2=True,
+                g_mode="normal", beta_mode="normal", with_final=True):
+    xs, cu_t = make_inputs(B, T, H, HV, K, V, dtype=dtype, h0=h0, cu=cu, g_mode=g_mode, beta_mode=beta_mode, l2=l2)
+    scale = K**-0.5
+    ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
+    ref = {n: x.detach().double().requires_grad_() for n, x in xs.items()}
+    o, ht = chunk_gated_delta_rule_triton(ours["q"], ours["k"], ours["v"], ours["g"], ours["beta"], scale,
+                                          ours.get("initial_state"), with_final, l2, cu_t)
+    ro, rht = naive_gated_delta_rule(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], scale,
+                                     ref.get("initial_state"), with_final, l2, cu_t)
+    assert o.dtype == xs["q"].dtype and o.shape == ro.shape
+    assert torch.isfinite(o).all()
+    do = torch.randn_like(ro)
+    loss, rloss = (o.double() * do).sum(), (ro * do).sum()
+    errs = {"o": (rel_rms(o, ro), rel_max(o, ro), tol_o)}
+    if with_final:
+        assert ht.dtype == torch.float32 and ht.shape == rht.shape
+        dht = torch.randn_like(rht)
+        loss, rloss = loss + (ht.double() * dht).sum(), rloss + (rht * dht).sum()
+        errs["ht"] = (rel_rms(ht, rht), rel_max(ht, rht), tol_o)
+    else:
+        assert ht is None
+    loss.backward()
+    rloss.backward()
+    for n in ours:
+        grad = ours[n].grad
+        assert grad is not None and grad.shape == xs[n].shape and grad.dtype == xs[n].dtype, n
+        assert torch.isfinite(grad).all(), n
+        tol = tol_gb if n in ("g", "beta") else tol_grad
+        errs["d" + n] = (rel_rms(grad, ref[n].grad), rel_max(grad, ref[n].grad), tol)
+    report = ", ".join(f"{n} {e:.1e}/{m:.1e}" for n, (e, m, _) in errs.items())
+    print(f"[gdn {dtype}] B={B} T={T} H={H} HV={HV} K={K} V={V} rel rms/max: {report}")
+    for n, (e, m, tol) in errs.items():
+        # max-abs error relative to the largest reference element: generous, only catches outliers
+        assert e <= tol and m <= 20 * tol, f"{n}: rel rms {e:.2e} (max {m:.2e}) over {tol:.0e}; {report}"
+    return errs
+
+
+# ------------------------------------------------------------------------------------------------
+# interpreted (CPU) or GPU fp32: tiny shapes, tight tolerance
+# ------------------------------------------------------------------------------------------------
+
+FP32_TOL = 1e-5 if INTERPRETED else 1e-4  # GPU fp32 uses three-pass tf32 tensor-core products
+
+SMALL_CASES = [
+    # id, (B, T, H, HV, K, V), options
+    ("T1", (2, 1, 2, 2, 16, 16), dict(h0=True, l2=True)),
+    ("T63_gqa", (1, 63, 1, 4, 16, 16), dict(h0=False, l2=True)),
+    ("T64_nol2", (1, 64, 2, 2, 16, 16), dict(h0=True, l2=False)),
+    ("T65_gqa_K32", (1, 65, 1, 4, 32, 16), dict(h0=True, l2=True)),
+    ("T130_V32", (1, 130, 2, 2, 16, 32), dict(h0=False, l2=True)),
+    ("B2_T70_nofinal", (2, 70, 1, 2, 16, 16), dict(h0=True, l2=True, with_final=False)),
+    ("varlen_gqa", (1, 130, 1, 4, 16, 16), dict(h0=True, l2=True, cu=[0, 1, 65, 66, 129, 130])),
+    ("g_tiny_beta_extreme", (1, 80, 1, 2, 16, 16), dict(h0=True, l2=True, g_mode="tiny", beta_mode="extreme")),
+    ("g_strong", (1, 80, 1, 2, 16, 16), dict(h0=True, l2=False, g_mode="strong")),
+]
+
+
+@pytest.mark.parametrize("shape,opts", [c[1:] for c in SMALL_CASES], ids=[c[0] for c in SMALL_CASES])
+def test_chunk_fp32(shape, opts):
+    # With g = -30 on many tokens the chunk-local cumulative sums reach about -600; their fp32 rounding
+    # (about 4e-5 absolute) goes straight into exp(gc_i - gc_j), so that case gets a 5x looser bound.
+    tol = FP32_TOL * (5 if opts.get("g_mode") == "strong" else 1)
+    check_chunk(*shape, dtype=torch.float32, tol_o=tol, tol_grad=tol, tol_gb=tol, **opts)
+
+
+def test_chunk_only_output_grad():
+    """Backward with no gradient flowing into the final state, and an initial state without grad."""
+    xs, _ = make_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32, h0=True)
+    h0 = xs.pop("initial_state")
+    ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
+    ref = {n: x.double().requires_grad_() for n, x in xs.items()}
+    o, ht = chunk_gated_delta_rule_triton(*ours.values(), 0.25, h0, True, True)
+    ro, _ = naive_gated_delta_rule(*ref.values(), 0.25, h0.double(), True, True)
+    do = torch.randn_like(ro)
+    (o.double() * do).sum().backward()
+    (ro * do).sum().backward()
+    assert rel_rms(o, ro) <= FP32_TOL
+    for n in ours:
+        assert rel_rms(ours[n].grad, ref[n].grad) <= FP32_TOL, n
+
+
+def _check_recurrent(B, T, H, HV, K, V, *, dtype, tol, cu=None, h0=True, l2=True):
+    xs, cu_t = make_inputs(B, T, H, HV, K, V, dtype=dtype, h0=h0, cu=cu, l2=l2)
+    with torch.no_grad():
+        o, ht = fused_recurrent_gated_delta_rule_triton(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], K**-0.5,
+                                                        xs.get("initial_state"), True, l2, cu_t)
+    ro, rht = naive_gated_delta_rule(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], K**-0.5,
+                                     xs.get("initial_state"), True, l2, cu_t)
+    assert o.dtype == xs["q"].dtype and ht.dtype == torch.float32
+    assert rel_rms(o, ro) <= tol and rel_max(o, ro) <= 20 * tol, rel_rms(o, ro)
+    assert rel_rms(ht, rht) <= tol and rel_max(ht, rht) <= 20 * tol, rel_rms(ht, rht)
+
+
+@pytest.mark.parametrize("B,T,H,HV,cu,h0", [(2, 1, 2, 2, None, True), (1, 5, 1, 4, None, False),
+                                            (1, 7, 1, 4, [0, 1, 4, 7], True)])
+def test_recurrent_fp32(B, T, H, HV, cu, h0):
+    _check_recurrent(B, T, H, HV, 16, 32, dtype=torch.float32, tol=1e-5 if INTERPRETED else 1e-4, cu=cu, h0=h0)
+
+
+def test_recurrent_refuses_grad():
+    xs, _ = make_inputs(1, 2, 1, 1, 16, 16, dtype=torch.float32, h0=False)
+    q = xs["q"].requires_grad_()
+    with pytest.raises(RuntimeError, match="q requires grad"):
+        fused_recurrent_gated_delta_rule_triton(q, xs["k"], xs["v"], xs["g"], xs["beta"], 0.25)
+
+
+def test_chunk_rejects_large_head_dim():
+    x = torch.zeros(1, 1, 1, 512)
+    with pytest.raises(ValueError, match="K=512"):
+        chunk_gated_delta_rule_triton(x, x, x, x[..., 0], x[..., 0], 1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: bf16 / fp16 on Qwen3.5 shapes
+# ------------------------------------------------------------------------------------------------
+
+BF16 = dict(tol_o=3e-3, tol_grad=5e-3, tol_gb=1e-2)
+
+GPU_CASES = [
+    ("T4097_H16_HV32", (1, 4097, 16, 32, 128, 128), dict(h0=True, l2=True)),
+    ("B2_T65", (2, 65, 16, 32, 128, 128), dict(h0=False, l2=True)),
+    ("varlen", (1, 1000, 16, 32, 128, 128), dict(h0=True, l2=True, cu=[0, 1, 64, 65, 300, 301, 1000])),
+    ("extremes", (2, 200, 16, 32, 128, 128), dict(h0=True, l2=True, g_mode="strong", beta_mode="extreme")),
+    ("g_tiny", (1, 300, 16, 32, 128, 128), dict(h0=True, l2=True, g_mode="tiny")),
+    ("HV_eq_H_K64_nol2", (1, 200, 8, 8, 64, 64), dict(h0=True, l2=False)),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape,opts", [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])
+def test_chunk_bf16_gpu(shape, opts):
+    check_chunk(*shape, dtype=torch.bfloat16, **BF16, **opts)
+
+
+@gpu
+@needs_cuda
+def test_chunk_fp16_gpu():
+    check_chunk(1, 300, 4, 16, 128, 128, dtype=torch.float16, **BF16, h0=True, l2=True)
+
+
+@gpu
+@needs_cuda
+def test_chunk_fp32_gpu():
+    check_chunk(1, 300, 2, 8, 128, 128, dtype=torch.float32, tol_o=1e-4, tol_grad=1e-4, tol_gb=1e-4, h0=True,
+                l2=True, cu=[0, 1, 100, 300])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T,cu", [(1, None), (4, None), (9, [0, 1, 5, 9])])
+def test_recurrent_bf16_gpu(T, cu):
+    _check_recurrent(1 if cu else 2, T, 16, 32, 128, 128, dtype=torch.bfloat16, tol=3e-3, cu=cu)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from deltafuse.backends.common import load_attr, torch_supports, triton_auto_skip, triton_available, triton_supports
+from deltafuse.backends.common import (load_attr, torch_supports, triton_available, triton_supports,
+                                       triton_unverified_on_gpu)
 from deltafuse.backends.registry import Candidate, Registry
 
 FUSED_LINEAR_CROSS_ENTROPY = "fused_linear_cross_entropy"
@@ -12,7 +13,7 @@ KERNEL = "deltafuse.ops.cross_entropy.kernel"
 def register(registry: Registry) -> None:
     registry.register(FUSED_LINEAR_CROSS_ENTROPY, Candidate(
         "triton", load_attr(KERNEL, "fused_linear_cross_entropy_triton"), triton_available(KERNEL), triton_supports,
-        auto_skip=triton_auto_skip,
+        auto_skip=triton_unverified_on_gpu,
         note="chunked head projection (cuBLAS) + deltafuse's Triton softmax/gradient written over the logits "
              "in place; no [tokens, vocab] tensor"))
     registry.register(FUSED_LINEAR_CROSS_ENTROPY, Candidate(

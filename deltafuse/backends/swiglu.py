@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from deltafuse.backends.common import (NPU_UNVERIFIED, load_attr, npu_available, npu_supports, torch_supports,
-                                       triton_auto_skip, triton_available, triton_supports)
+from deltafuse.backends.common import (NPU_UNVERIFIED, load_attr, npu_available, npu_supports,
+                                       torch_supports, triton_available, triton_supports,
+                                       triton_unverified_on_gpu)
 from deltafuse.backends.registry import Candidate, Registry
 
 SWIGLU = "swiglu"
@@ -13,7 +14,7 @@ KERNEL = "deltafuse.ops.swiglu.kernel"
 def register(registry: Registry) -> None:
     registry.register(SWIGLU, Candidate(
         "triton", load_attr(KERNEL, "swiglu_triton"), triton_available(KERNEL), triton_supports,
-        auto_skip=triton_auto_skip, note="deltafuse's fused Triton silu(gate) * up (fwd+bwd)"))
+        auto_skip=triton_unverified_on_gpu, note="deltafuse's fused Triton silu(gate) * up (fwd+bwd)"))
     registry.register(SWIGLU, Candidate(
         "npu", load_attr("deltafuse.ops.swiglu.npu", "swiglu_npu"), npu_available("npu_swiglu"), npu_supports,
         verified=False, note="torch_npu.npu_swiglu on cat(gate, up); " + NPU_UNVERIFIED))

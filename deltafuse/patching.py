@@ -19,7 +19,7 @@ import threading
 import torch
 
 from deltafuse import backends
-from deltafuse.config import BACKENDS, SettingsError, check_backend, load_settings, resolve
+from deltafuse.config import load_settings, resolve
 from deltafuse.integrations.transformers import PATCHER, PatchReport
 
 __all__ = ["apply", "revert", "patched", "PatchReport", "UnsupportedModelError", "find_model"]
@@ -83,28 +83,16 @@ def find_model(obj) -> torch.nn.Module:
         f"Walked (through {', '.join(_WRAPPER_ATTRIBUTES)}): " + "; ".join(walked))
 
 
-def _override_in_effect() -> str | None:
-    """The backend forced through set_backend_override (None: the environment decides)."""
-    return backends._override[0]
-
-
-def _check_switch(name: str, value) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise SettingsError(f"{name}={value!r} must be True, False or None (take the environment)")
-
-
 def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None, moe: bool | None = None,
           backend: str = "auto") -> PatchReport:
     """Route the supported families' hot ops to deltafuse; returns what was patched (see ``PatchReport``).
 
     Applying again changes nothing (rows show "already applied"). ``revert()`` undoes everything.
     """
-    for name, value in (("gdn", gdn), ("fused_ops", fused_ops), ("moe", moe)):
-        _check_switch(name, value)
-    if not isinstance(backend, str):
-        raise SettingsError(f"backend={backend!r} must be a string, one of: {', '.join(BACKENDS)}")
-    backend = check_backend("backend", backend)
-    settings = resolve(load_settings(), gdn=gdn, fused_ops=fused_ops, moe=moe)
+    # resolve() checks every argument (the switches are bools or None, backend one of BACKENDS)
+    forced = None if backend == "auto" else backend
+    settings = resolve(load_settings(), gdn=gdn, fused_ops=fused_ops, moe=moe, backend=forced)
+    backend = "auto" if forced is None else settings.backend
     target = None
     if model is not None:
         target = find_model(model)
@@ -118,7 +106,7 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
         return report
     with _lock:
         if not _saved_override:
-            _saved_override.append(_override_in_effect())
+            _saved_override.append(backends.backend_override())
         backends.set_backend_override(None if backend == "auto" else backend)
         switches = {"gdn": settings.gdn, "fused_ops": settings.fused_ops, "moe": settings.moe}
         families, rows, notes = PATCHER.apply(switches, target)
@@ -157,7 +145,7 @@ def patched(model=None, **kwargs):
     (rows already applied before the block stay) and restores the backend override."""
     with _lock:
         mark = PATCHER.mark()
-        override = _override_in_effect()
+        override = backends.backend_override()
         first = not _saved_override
     report = apply(model, **kwargs)
     try:

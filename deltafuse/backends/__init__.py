@@ -24,6 +24,11 @@ def set_backend_override(name: str | None) -> None:
     _override[0] = None if name is None else check_backend("backend", name)
 
 
+def backend_override() -> str | None:
+    """The backend forced by apply(backend=...), or None when the environment decides."""
+    return _override[0]
+
+
 @functools.lru_cache(maxsize=16)
 def _parse_backend_env(raw: str | None) -> str:
     if raw is None or raw.strip() == "":

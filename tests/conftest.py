@@ -1,11 +1,42 @@
-"""Without CUDA, deltafuse's Triton kernels are tested through the Triton interpreter (fp32, tiny shapes).
+"""Shared test set-up.
 
+Without CUDA, deltafuse's Triton kernels are tested through the Triton interpreter (fp32, tiny shapes).
 TRITON_INTERPRET must be set before triton is first imported, so it is set here, before any test module.
 """
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DELTAFUSE_ENV = ("DELTAFUSE_PATCH", "DELTAFUSE_GDN", "DELTAFUSE_FUSED_OPS", "DELTAFUSE_MOE", "DELTAFUSE_BACKEND",
+                 "TWINKLE_NPU_PATCH", "TWINKLE_NPU_FLA", "TWINKLE_NPU_FUSED_OPS", "TWINKLE_NPU_MOE_PATCH")
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """One torch thread (and OMP_NUM_THREADS=1 for subprocesses): on a small shared CPU, OpenMP's spinning
+    threads slow tiny models down by an order of magnitude."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def clean_deltafuse(monkeypatch, one_thread):
+    """No deltafuse switch from the caller's environment, nothing patched before or after the test."""
+    from deltafuse import backends, patching
+    from deltafuse.integrations.transformers import PATCHER
+
+    for name in DELTAFUSE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    patching.revert()  # start clean even if an earlier test left deltafuse applied
+    assert not PATCHER.has_records()
+    yield
+    patching.revert()
+    assert backends.current_backend() == "auto"

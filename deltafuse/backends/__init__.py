@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 
-from deltafuse.backends.registry import (  # noqa: F401  (re-exported)
+from deltafuse.backends.registry import (
     REGISTRY,
     BackendError,
     CallInfo,
@@ -15,6 +15,9 @@ from deltafuse.backends.registry import (  # noqa: F401  (re-exported)
     call_info,
 )
 from deltafuse.config import check_backend
+
+__all__ = ["REGISTRY", "BackendError", "CallInfo", "Candidate", "Decision", "Registry", "backend_override",
+           "call_info", "current_backend", "select", "set_backend_override"]
 
 _override: list[str | None] = [None]
 

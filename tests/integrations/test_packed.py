@@ -12,26 +12,14 @@ import torch
 
 import deltafuse
 from deltafuse import patching
-from deltafuse.integrations.transformers import PATCHER, adapters
+from deltafuse.integrations.transformers import adapters
 from deltafuse.models import build_model
 from deltafuse.ops import causal_conv1d_fn, chunk_gated_delta_rule
 from tests.integrations import (RTOL, assert_grads_close, grads, packed_inputs, per_sequence_stock, rel_max)
 
-ENV = ("DELTAFUSE_PATCH", "DELTAFUSE_GDN", "DELTAFUSE_FUSED_OPS", "DELTAFUSE_MOE", "DELTAFUSE_BACKEND",
-       "TWINKLE_NPU_PATCH", "TWINKLE_NPU_FLA", "TWINKLE_NPU_FUSED_OPS", "TWINKLE_NPU_MOE_PATCH")
 
 
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    patching.revert()  # start clean even if an earlier test left deltafuse applied
-    assert not PATCHER.has_records()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: intra-op threads only add contention on a shared CPU
-    yield
-    torch.set_num_threads(threads)
-    patching.revert()
+pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
 
 def _rows(lengths_per_row, vocab, seed):

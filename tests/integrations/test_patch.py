@@ -16,26 +16,13 @@ from deltafuse.models import build_model
 from tests.integrations import (RTOL, assert_same_objects, family_modules, grads, packed_inputs, rel_max,
                                 snapshot)
 
-ENV = ("DELTAFUSE_PATCH", "DELTAFUSE_GDN", "DELTAFUSE_FUSED_OPS", "DELTAFUSE_MOE", "DELTAFUSE_BACKEND",
-       "TWINKLE_NPU_PATCH", "TWINKLE_NPU_FLA", "TWINKLE_NPU_FUSED_OPS", "TWINKLE_NPU_MOE_PATCH")
 FAMILY_OF = {"tiny": "qwen3_5", "tiny-moe": "qwen3_5_moe", "tiny-next": "qwen3_next"}
 GDN_CLASS = {"qwen3_5": "Qwen3_5GatedDeltaNet", "qwen3_5_moe": "Qwen3_5MoeGatedDeltaNet",
              "qwen3_next": "Qwen3NextGatedDeltaNet"}
 INSTANCE_ATTRS = ("chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
 
 
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    patching.revert()  # start clean even if an earlier test left deltafuse applied
-    assert not PATCHER.has_records()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: intra-op threads only add contention on a shared CPU
-    yield
-    torch.set_num_threads(threads)
-    patching.revert()
-    assert backends.current_backend() == "auto"
+pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
 
 def old_design(family="qwen3_5") -> bool:

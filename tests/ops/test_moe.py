@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 
-from deltafuse.backends import REGISTRY
 from deltafuse.backends import moe as moe_backends
 from deltafuse.backends.registry import CallInfo, Registry
 from deltafuse.ops.moe import reference

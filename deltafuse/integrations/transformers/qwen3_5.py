@@ -1,44 +1,10 @@
-"""Qwen3.5 (dense): which objects of ``transformers.models.qwen3_5.modeling_qwen3_5`` deltafuse routes.
+"""Qwen3.5 (dense): which objects of ``transformers.models.qwen3_5.modeling_qwen3_5`` deltafuse routes."""
 
-Old design (transformers 5.2-5.14, module defines ``is_fast_path_available``): the FLA / causal-conv1d names
-are module globals read once by ``Qwen3_5GatedDeltaNet.__init__``, which caches them on the instance.
-New design (5.15+): the layer's forward looks up the decorated module functions by name at call time.
-Both: the text model's forward derives packed-sequence boundaries, the GDN forward hands them to its ops.
-"""
-
-from deltafuse.integrations.transformers import adapters as a
-from deltafuse.integrations.transformers.patcher import FamilyMap, Route
-
-GDN = "Qwen3_5GatedDeltaNet"
-TEXT_MODEL = "Qwen3_5TextModel"
+from deltafuse.integrations.transformers.gdn_rows import gdn_routes
+from deltafuse.integrations.transformers.patcher import FamilyMap
 
 MAP = FamilyMap(
     family="qwen3_5",
     module="transformers.models.qwen3_5.modeling_qwen3_5",
-    routes=(
-        # old design: module globals (models built after apply) ...
-        Route("gdn", "global", "", "chunk_gated_delta_rule", a.chunk_gated_delta_rule, design="old"),
-        Route("gdn", "global", "", "fused_recurrent_gated_delta_rule", a.recurrent_gated_delta_rule, design="old"),
-        Route("gdn", "global", "", "causal_conv1d_fn", a.causal_conv1d_fn, design="old"),
-        Route("gdn", "global", "", "causal_conv1d_update", a.causal_conv1d_update, design="old"),
-        Route("gdn", "global", "", "FusedRMSNormGated", None, design="old",
-              note="FLA's norm is built on torch.cuda.current_device(); models built after apply use the torch one"),
-        # ... and what built models cached in __init__
-        Route("gdn", "instance", GDN, "chunk_gated_delta_rule", a.chunk_gated_delta_rule, design="old",
-              init_from=("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule")),
-        Route("gdn", "instance", GDN, "recurrent_gated_delta_rule", a.recurrent_gated_delta_rule, design="old",
-              init_from=("fused_recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule")),
-        Route("gdn", "instance", GDN, "causal_conv1d_fn", a.causal_conv1d_fn, design="old",
-              init_from=("causal_conv1d_fn",)),
-        Route("gdn", "instance", GDN, "causal_conv1d_update", a.causal_conv1d_update, design="old",
-              init_from=("causal_conv1d_update", "torch_causal_conv1d_update")),
-        # new design: module functions looked up at call time
-        Route("gdn", "global", "", "torch_chunk_gated_delta_rule", a.chunk_gated_delta_rule, design="new"),
-        Route("gdn", "global", "", "torch_recurrent_gated_delta_rule", a.recurrent_gated_delta_rule, design="new"),
-        Route("gdn", "global", "", "causal_conv1d_fn", a.causal_conv1d_fn, design="new"),
-        Route("gdn", "global", "", "causal_conv1d_update", a.causal_conv1d_update, design="new"),
-        # packed sequences, both designs
-        Route("gdn", "class", TEXT_MODEL, "forward", a.wrap_text_model_forward, wrap=True),
-        Route("gdn", "class", GDN, "forward", a.wrap_gdn_forward, wrap=True),
-    ),
+    routes=gdn_routes(gdn="Qwen3_5GatedDeltaNet", text_model="Qwen3_5TextModel"),
 )

@@ -1,0 +1,46 @@
+"""The GDN rows every family shares, built from the family's class names.
+
+Old design (transformers 5.2-5.14, module defines ``is_fast_path_available``): the FLA / causal-conv1d names
+are module globals read once by the ``*GatedDeltaNet.__init__``, which caches them on the instance.
+New design (5.15+): the layer's forward looks up the decorated module functions by name at call time.
+Both: the text model's forward derives packed-sequence boundaries, the GDN forward hands them to its ops.
+"""
+
+from __future__ import annotations
+
+from deltafuse.integrations.transformers import adapters as a
+from deltafuse.integrations.transformers.patcher import Route
+
+
+def gdn_routes(gdn: str, text_model: str) -> tuple[Route, ...]:
+    """The gated delta rule and causal conv1d rows for a family whose GDN layer class is ``gdn`` and whose
+    decoder stack (the module that receives ``position_ids``) is ``text_model``."""
+    return (
+        # old design: module globals (models built after apply) ...
+        Route("gdn", "global", "", "chunk_gated_delta_rule", a.chunk_gated_delta_rule, design="old"),
+        Route("gdn", "global", "", "fused_recurrent_gated_delta_rule", a.recurrent_gated_delta_rule,
+              design="old"),
+        Route("gdn", "global", "", "causal_conv1d_fn", a.causal_conv1d_fn, design="old"),
+        Route("gdn", "global", "", "causal_conv1d_update", a.causal_conv1d_update, design="old"),
+        Route("gdn", "global", "", "FusedRMSNormGated", None, design="old",
+              note="FLA's norm is built on torch.cuda.current_device(); models built after apply use "
+                   "the torch one"),
+        # ... and what built models cached in __init__
+        Route("gdn", "instance", gdn, "chunk_gated_delta_rule", a.chunk_gated_delta_rule, design="old",
+              init_from=("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule")),
+        Route("gdn", "instance", gdn, "recurrent_gated_delta_rule", a.recurrent_gated_delta_rule, design="old",
+              init_from=("fused_recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule")),
+        Route("gdn", "instance", gdn, "causal_conv1d_fn", a.causal_conv1d_fn, design="old",
+              init_from=("causal_conv1d_fn",)),
+        Route("gdn", "instance", gdn, "causal_conv1d_update", a.causal_conv1d_update, design="old",
+              init_from=("causal_conv1d_update", "torch_causal_conv1d_update")),
+        # new design: module functions looked up at call time
+        Route("gdn", "global", "", "torch_chunk_gated_delta_rule", a.chunk_gated_delta_rule, design="new"),
+        Route("gdn", "global", "", "torch_recurrent_gated_delta_rule", a.recurrent_gated_delta_rule,
+              design="new"),
+        Route("gdn", "global", "", "causal_conv1d_fn", a.causal_conv1d_fn, design="new"),
+        Route("gdn", "global", "", "causal_conv1d_update", a.causal_conv1d_update, design="new"),
+        # packed sequences, both designs
+        Route("gdn", "class", text_model, "forward", a.wrap_text_model_forward, wrap=True),
+        Route("gdn", "class", gdn, "forward", a.wrap_gdn_forward, wrap=True),
+    )

@@ -176,6 +176,9 @@ class _CausalConv1d(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # The GDN layer hands back a transposed view; on the H200 the kernel gave wrong gradients for such a
+        # dy (the interpreter did not), so read a dense copy until a GPU run shows the strided read is right.
+        dy = dy.contiguous()
         x, weight, bias, init, sid = ctx.saved_tensors
         flags = ctx.flags
         B, C, T = x.shape

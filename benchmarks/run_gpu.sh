@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Everything the project measures on a CUDA machine, in parts that each fit one 10-minute call.
+#
+#   OUT=/path/to/results bash benchmarks/run_gpu.sh tests|gdn|blocks|e2e|all
+#
+#   tests   every GPU test (pytest -m gpu) and `deltafuse verify` on cuda for the tiny models, fp32 and bf16
+#   gdn     the gated delta rule benchmark vs FLA 0.6 and the HF fallback (benchmarks/run_gdn_gpu.sh)
+#   blocks  block ops, loss and experts benchmarks (bench_block_ops.py, bench_loss_moe.py)
+#   e2e     `deltafuse bench e2e` for moe8 and dense8 LoRA at 4096 packed tokens, stock vs deltafuse
+#
+# Run from the repository root. Wheels in .whl/ (fla_core, einops) are installed for the gdn part only, so
+# that "stock" elsewhere is transformers' own torch fallback. Logs and JSON go under $OUT.
+set -uo pipefail
+OUT=${OUT:-./deltafuse-out}
+PART=${1:-all}
+case $PART in
+  tests|gdn|blocks|e2e|all) ;;
+  *) echo "run_gpu.sh: unknown part '$PART'; allowed: tests, gdn, blocks, e2e, all" >&2; exit 2 ;;
+esac
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+rc=0
+# step LOG CMD...: run CMD, show and keep its output in LOG, remember a failure
+step() { local log=$1; shift; echo "== $*"; "$@" 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} == 0 ]] || rc=1; }
+
+if [[ $PART == tests || $PART == all ]]; then
+  nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
+  python3 -m deltafuse info > "$OUT/info.txt" 2>&1
+  step "$OUT/gpu_tests.log" python3 -m pytest -q -m gpu tests
+  for model in tiny tiny-moe tiny-next; do
+    for dtype in fp32 bf16; do
+      step "$OUT/verify_${model}_${dtype}.json" python3 -m deltafuse verify --device cuda --model $model \
+        --dtype $dtype --packed --json
+    done
+  done
+fi
+if [[ $PART == gdn || $PART == all ]]; then
+  step "$OUT/gdn_all.log" env OUT="$OUT" bash benchmarks/run_gdn_gpu.sh
+fi
+if [[ $PART == blocks || $PART == all ]]; then
+  step "$OUT/block_ops.log" python3 benchmarks/bench_block_ops.py "$OUT/block_ops.json"
+  step "$OUT/loss_moe.log" python3 benchmarks/bench_loss_moe.py "$OUT/loss_moe.json"
+fi
+if [[ $PART == e2e || $PART == all ]]; then
+  for model in moe8 dense8; do
+    step "$OUT/e2e_$model.log" python3 -m deltafuse bench e2e --model $model --seq-len 4096 --max-steps 30 \
+      --no-progress --output-dir "$OUT/e2e_$model" --overwrite
+    rm -rf "$OUT/e2e_$model"/{on,off}/checkpoint-* "$OUT/e2e_$model"/{on,off}/final
+  done
+fi
+exit $rc

@@ -69,8 +69,22 @@ def _stock_module():
     return importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
 
 
+def _stock_conv_fallback(x, weight, bias=None, activation=None):
+    """What the GDN layer of the older design (transformers < 5.15) runs without causal-conv1d:
+    F.silu(self.conv1d(x)[..., :T]) with the layer's depthwise Conv1d (padding W-1)."""
+    out = torch.nn.functional.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[1] - 1,
+                                     groups=x.shape[1])[..., : x.shape[-1]]
+    return torch.nn.functional.silu(out) if activation is not None else out
+
+
 def _stock_fn(name: str):
-    fn = getattr(_stock_module(), name)
+    """transformers' own torch path for ``name``, in either modeling design."""
+    module = _stock_module()
+    fn = getattr(module, name, None)
+    if fn is None and name == "causal_conv1d_fn":
+        return _stock_conv_fallback  # older design: the global is None and the layer calls its Conv1d
+    if fn is None and name == "causal_conv1d_update":
+        fn = module.torch_causal_conv1d_update  # older design: the layer's fallback
     return getattr(fn, "__wrapped__", fn)  # the torch path under the kernel-hub decorator
 
 

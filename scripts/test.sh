@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up and run the whole CPU test suite: everything on the newest transformers, then the model tests
-# again on transformers 5.9.0 (the older modeling design), with training and bench. Triton kernels run under TRITON_INTERPRET=1.
+# Set up and run the whole CPU test suite: everything on the newest transformers, then the model, training
+# and bench tests again on transformers 5.9.0 (the older modeling design). Triton kernels run under
+# TRITON_INTERPRET=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh .venv
@@ -9,4 +10,5 @@ bash scripts/setup.sh .venv-tf59 "transformers==5.9.0"
 echo "== tests, newest transformers =="
 .venv/bin/python -m pytest -q -p no:cacheprovider tests
 echo "== model, training and bench tests, transformers 5.9.0 =="
-.venv-tf59/bin/python -m pytest -q -p no:cacheprovider tests/integrations tests/test_verify.py tests/train tests/bench
+.venv-tf59/bin/python -m pytest -q -p no:cacheprovider \
+  tests/integrations tests/test_verify.py tests/train tests/bench

@@ -11,4 +11,4 @@ echo "== tests, newest transformers =="
 .venv/bin/python -m pytest -q -p no:cacheprovider tests
 echo "== model, training and bench tests, transformers 5.9.0 =="
 .venv-tf59/bin/python -m pytest -q -p no:cacheprovider \
-  tests/integrations tests/test_verify.py tests/train tests/bench
+  tests/integrations tests/test_verify.py tests/test_auto.py tests/train tests/bench

@@ -7,8 +7,13 @@ construction (old transformers design) and accepts the model behind any usual wr
 accelerate, or an object holding it at ``.model`` / ``.module`` / ``.base_model`` / ``get_base_model()``).
 
 Switches (None = take the environment, see ``deltafuse.config``): ``gdn`` routes the gated delta rule and
-the causal conv1d of the GDN layers and keeps packed sequences apart; ``fused_ops`` and ``moe`` have no
-routes yet (the report says so). ``backend`` forces one backend for every op ('auto' = DELTAFUSE_BACKEND).
+the causal conv1d of the GDN layers and keeps packed sequences apart; ``fused_ops`` routes the zero-centred
+and gated RMSNorms, the partial RoPE, the SwiGLU MLPs and the causal-LM loss (fused linear cross-entropy:
+with labels and gradients on, the output has ``logits=None``; pass ``deltafuse_logits=True`` to the model
+call, or call it without gradients, to get logits from the stock loss path); ``moe`` registers deltafuse's
+experts function in transformers' experts interface as ``"deltafuse"`` and serves with it every experts
+module whose config selects a torch implementation (eager, grouped_mm, batched_mm). ``backend`` forces one
+backend for every op ('auto' = DELTAFUSE_BACKEND).
 """
 
 from __future__ import annotations
@@ -113,6 +118,9 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
     report.families = families
     report.rows = rows
     report.notes.extend(notes)
+    for switch, what in (("fused_ops", "norm, RoPE, SwiGLU and loss"), ("moe", "experts")):
+        if not getattr(settings, switch):
+            report.notes.append(f"{switch} is off: the {what} routes were not applied")
     if not settings.gdn:
         report.notes.append("gdn is off: the GDN and causal conv1d routes were not applied")
     elif target is None and any(str(d).startswith("old design") for d in families.values()):

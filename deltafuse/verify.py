@@ -259,7 +259,12 @@ def verify_model(name_or_path: str, packed: bool = False, device: str | torch.de
                               "unset it (or set it to 1) to verify")
         out = model(**call)
         out.loss.backward()
-    loss, logits = out.loss.detach(), out.logits.detach()
+        logits = out.logits
+        if logits is None:
+            # the fused loss (fused_ops) returns no logits when training; an evaluation call returns them
+            with torch.no_grad():
+                logits = model(**call).logits
+    loss, logits = out.loss.detach(), logits.detach()
     grads = _param_grads(model)
     model.zero_grad(set_to_none=True)
 

@@ -110,10 +110,10 @@ def test_report_rows_str_and_dict():
         assert report.families["qwen3_5"].startswith("new design")
     fwd = rows[f"{fmod}.Qwen3_5TextModel.forward"]
     assert fwd.new.startswith("deltafuse.wrap_text_model_forward(")
-    assert all(r.switch == "gdn" for r in report.rows)
+    assert {r.switch for r in report.rows} == {"gdn", "fused_ops", "moe"}
     text = str(report)
     assert "Qwen3_5GatedDeltaNet.forward" in text and "applied" in text
-    assert "fused_ops (on): no routes exist yet" in text and "moe (on): no routes exist yet" in text
+    assert "no routes exist yet" not in text
     data = json.loads(json.dumps(report.to_dict()))
     assert data["enabled"] is True and data["settings"]["gdn"] is True
     assert len(data["rows"]) == len(report.rows)
@@ -135,11 +135,13 @@ def test_patch_off_changes_nothing(monkeypatch):
 def test_gdn_switch_off_by_argument_and_environment(monkeypatch):
     model = build_model("tiny")
     before = snapshot(model)
-    report = patching.apply(model, gdn=False)
+    report = patching.apply(model, gdn=False, fused_ops=False, moe=False)
     assert report.rows == [] and any("gdn is off" in n for n in report.notes)
     assert_same_objects(before, snapshot(model))
+    assert not [r for r in patching.apply(model, gdn=False).rows if r.switch == "gdn"]
+    patching.revert()
     monkeypatch.setenv("DELTAFUSE_GDN", "0")
-    assert patching.apply(model).rows == []
+    assert not [r for r in patching.apply(model).rows if r.switch == "gdn"]
     assert patching.apply(model, gdn=True).applied  # the argument wins over the environment
 
 
@@ -335,7 +337,7 @@ def test_cpu_calls_get_torch_even_when_fla_would_be_available():
         ref_grads = grads(model)
         model.zero_grad(set_to_none=True)
         with patching.patched(model):
-            out = model(input_ids=ids, labels=ids, use_cache=False)
+            out = model(input_ids=ids, labels=ids, use_cache=False, deltafuse_logits=True)
             out.loss.backward()
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=2, do_sample=False)

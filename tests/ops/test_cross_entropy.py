@@ -405,59 +405,11 @@ def test_gpu_fp32_triton_matches_float64():
     _compare(hidden, weight, bias, labels, 1e-4, "triton", chunk_size=128)
 
 
-# --- model level: the loss-path adapter the transformers patch layer needs (kept here as its spec) -----------
-def _head_weight(head):
-    """(weight, bias) the fused loss can use for ``lm_head``, or None when only the stock path is right.
-
-    A plain nn.Linear: its parameters (a tied embedding included). A PEFT LoRA-wrapped head: the effective
-    weight W + sum of the active adapters' B @ A * scaling, built per call so autograd reaches A and B (a
-    [V, H] temporary, far below stock's [tokens, V] logits). LoRA dropout, DoRA, LoRA bias, merged or
-    disabled adapters and any other wrapper (modules_to_save ...): None."""
-    if type(head) is torch.nn.Linear:
-        return head.weight, head.bias
-    base = getattr(head, "base_layer", None)
-    if type(base) is not torch.nn.Linear or not hasattr(head, "get_delta_weight") or not hasattr(head, "lora_A") \
-            or getattr(head, "merged", False) or getattr(head, "disable_adapters", False) \
-            or getattr(head, "fan_in_fan_out", False):
-        return None
-    active = [a for a in head.active_adapters if a in head.lora_A]
-    for a in active:
-        if type(head.lora_dropout[a]) is not torch.nn.Identity or head.use_dora.get(a) or head.lora_bias.get(a):
-            return None
-    weight = base.weight
-    for a in active:
-        weight = weight + head.get_delta_weight(a).to(weight.dtype)
-    return weight, base.bias
-
-
+# --- model level: the loss-path adapter of the transformers patch layer ---------------------------------------
 def _fused_causal_lm_forward(original):
-    """``*ForCausalLM.forward`` wrapper: with labels (by keyword) and gradients on, run the stock forward with
-    labels=None and an identity head (so its "logits" are the hidden states, already sliced by logits_to_keep),
-    then compute the loss with the fused op and add the router aux loss as stock does. Anything else: stock."""
+    from deltafuse.integrations.transformers.adapters_fused import wrap_causal_lm_forward
 
-    def forward(self, *args, labels=None, **kwargs):
-        head = self.lm_head
-        if labels is None or args or not torch.is_grad_enabled() or kwargs.get("logits_to_keep", 0) != 0 \
-                or "_loss_function" in self.__dict__:
-            return original(self, *args, labels=labels, **kwargs)
-        wb = _head_weight(head)
-        if wb is None:
-            return original(self, *args, labels=labels, **kwargs)
-        head.forward = lambda h: h  # instance attribute: shadows the class forward for this call only
-        try:
-            out = original(self, labels=None, **kwargs)
-        finally:
-            del head.forward
-        shift_labels = kwargs.get("shift_labels")
-        loss = _api()(out.logits, wb[0], (labels if shift_labels is None else shift_labels),
-                      bias=wb[1], ignore_index=kwargs.get("ignore_index", -100),
-                      num_items_in_batch=kwargs.get("num_items_in_batch"), shift=shift_labels is None)
-        if getattr(out, "aux_loss", None) is not None:
-            loss = loss + self.router_aux_loss_coef * out.aux_loss.to(loss.device)
-        out.loss, out.logits = loss, None
-        return out
-
-    return forward
+    return wrap_causal_lm_forward(original)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
@@ -490,7 +442,7 @@ def test_patched_tiny_models_equal_stock_loss_and_every_gradient(name, monkeypat
 
         adapter = _adapter()
         monkeypatch.setitem(ExpertsInterface._global_mapping, "deltafuse", adapter)
-        previous = model.get_experts_implementation()
+        previous = model.config._experts_implementation  # transformers 5.9 has no get_experts_implementation
         model.set_experts_implementation("deltafuse")
     try:
         ours_out, ours_grads = run()

@@ -148,20 +148,16 @@ def test_saved_tensors_exclude_hidden_sized_intermediates():
 
 # --- parity with transformers ----------------------------------------------------------------------------
 def _adapter():
-    """The experts-interface function the transformers patch layer registers (kept here as the spec)."""
-    from transformers.integrations.moe import grouped_mm_experts_forward
+    """The experts-interface function the transformers patch layer registers, recording for every call whether
+    deltafuse's op served it ("deltafuse") or transformers' grouped_mm ("fallback")."""
+    from deltafuse.integrations.transformers.adapters_fused import experts_forward, experts_plain
 
-    def deltafuse_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-        plain = (self.has_gate and not self.has_bias and self.is_concatenated and not self.is_transposed
-                 and not self.has_post_expert_norm and not self._is_expert_parallel
-                 and getattr(self.config, "hidden_act", None) == "silu")
-        deltafuse_experts_forward.calls.append("deltafuse" if plain else "fallback")
-        if not plain:
-            return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-        return _api()(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+    def recording_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+        recording_experts_forward.calls.append("deltafuse" if experts_plain(self) else "fallback")
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
-    deltafuse_experts_forward.calls = []
-    return deltafuse_experts_forward
+    recording_experts_forward.calls = []
+    return recording_experts_forward
 
 
 @pytest.fixture

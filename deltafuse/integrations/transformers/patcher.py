@@ -8,6 +8,9 @@ A row names a target and what to put there:
   original one);
 * ``instance`` - an attribute every instance of ``owner`` cached in its ``__init__`` (old design); applied to
   the instances of a model passed to ``apply``.
+* ``mapping``  - key ``attr`` of the dict at the dotted import path ``mapping`` (a registry of named
+  implementations that ``owner``, a class of the family module, looks names up in); the key is added or its
+  value replaced, and removed or restored on revert.
 
 ``design`` restricts a row to the old ("old": the module defines ``design_marker``) or new ("new") design
 of transformers' GDN integration. The patcher records (target, attribute, previous value, whether the
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 MISSING = object()
-KINDS = ("global", "class", "instance")
+KINDS = ("global", "class", "instance", "mapping")
 DESIGNS = ("any", "old", "new")
 SWITCHES = ("gdn", "fused_ops", "moe")
 
@@ -41,6 +44,7 @@ class Route:
     wrap: bool = False
     init_from: tuple[str, ...] = ()
     note: str = ""
+    mapping: str = ""
 
     def __post_init__(self):
         if self.switch not in SWITCHES:
@@ -51,12 +55,17 @@ class Route:
             raise ValueError(f"Route.design={self.design!r}; allowed: {', '.join(DESIGNS)}")
         if self.kind != "global" and not self.owner:
             raise ValueError(f"Route {self.attr!r}: kind={self.kind!r} needs the owning class name")
+        if (self.kind == "mapping") != bool(self.mapping):
+            raise ValueError(f"Route {self.attr!r}: mapping={self.mapping!r} with kind={self.kind!r}; a dotted import "
+                             "path of a dict is required for kind 'mapping' and allowed for no other kind")
 
     def target_name(self, module: str) -> str:
         if self.kind == "global":
             return f"{module}.{self.attr}"
         if self.kind == "class":
             return f"{module}.{self.owner}.{self.attr}"
+        if self.kind == "mapping":
+            return f"{self.mapping}[{self.attr!r}]"
         return f"{module}.{self.owner}(instance).{self.attr}"
 
 
@@ -75,7 +84,7 @@ class ReportRow:
     target: str
     old: str
     new: str
-    status: str  # applied | already applied | in place | not found | reverted | gone
+    status: str  # applied | applied (shared) | already applied | in place | not found | reverted | gone
     count: int = 1
     module: str = ""  # the modeling module of the row's family
     note: str = ""
@@ -83,7 +92,10 @@ class ReportRow:
     def short(self, text: str) -> str:
         if self.module:
             text = text.replace(self.module + ".", "")
-        return text.replace("deltafuse.integrations.transformers.adapters.", "deltafuse.")
+        for prefix in ("deltafuse.integrations.transformers.adapters.",
+                       "deltafuse.integrations.transformers.adapters_fused."):
+            text = text.replace(prefix, "deltafuse.")
+        return text
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -216,6 +228,7 @@ class Patcher:
         notes: list[str] = []
         families: dict[str, str] = {}
         with self._lock:
+            start_order = len(self._order)
             modules = self.modules()
             for fmap in self.maps:
                 module = modules[fmap.family]
@@ -239,12 +252,14 @@ class Patcher:
                         rows.append(self._apply_attr(route, cls, fmap.module))
                         if model is not None and route.attr == "forward":
                             rows.extend(self._apply_hooked_forward(route, cls, fmap.module, model))
+                    elif route.kind == "mapping":
+                        rows.append(self._apply_key(route, module, fmap.module, start_order))
                     elif model is not None:
                         rows.extend(self._apply_instances(route, module, fmap.module, model))
                 notes_of = {route.target_name(fmap.module): route.note for route in fmap.routes if route.note}
                 for row in rows[start:]:
                     row.module = fmap.module
-                    row.note = notes_of.get(row.target, "")
+                    row.note = "; ".join(filter(None, (notes_of.get(row.target, ""), row.note)))
             for switch in SWITCHES:
                 if not any(r.switch == switch for fmap in self.maps for r in fmap.routes):
                     state = "on" if switches.get(switch) else "off"
@@ -351,6 +366,32 @@ class Patcher:
             counts[row_key] = counts.get(row_key, 0) + 1
         return [ReportRow(route.switch, label, old, new, status, n) for (status, old, new), n in counts.items()]
 
+    def _apply_key(self, route: Route, module, module_name: str, start_order: int) -> ReportRow:
+        """A ``mapping`` row: set key ``route.attr`` of the dict at ``route.mapping``. Several families may
+        name the same key: the first applies it, the others report "applied (shared)" in the same call."""
+        label = route.target_name(module_name)
+        if not isinstance(getattr(module, route.owner, None), type):
+            return ReportRow(route.switch, label, "<absent>", describe(route.replacement), "not found",
+                             note=f"{module_name} has no class {route.owner}")
+        table = resolve(route.mapping)
+        if not isinstance(table, dict):
+            return ReportRow(route.switch, label, "<absent>", describe(route.replacement), "not found",
+                             note=f"{route.mapping} is not an importable dict in this transformers")
+        key = (id(table), ("key", route.attr))
+        current = table.get(route.attr, MISSING)
+        rec = self._records.get(key)
+        if rec is not None and rec.target_ref() is table and current is rec.new:
+            shared = key in self._order[start_order:]
+            return ReportRow(route.switch, label, describe(rec.old), describe(rec.new),
+                             "applied (shared)" if shared else "already applied")
+        if current is not MISSING and not route.wrap and current is route.replacement:
+            return ReportRow(route.switch, label, describe(current), describe(current), "in place")
+        new = route.replacement(current) if route.wrap else route.replacement
+        table[route.attr] = new
+        self._remember(key, _Record(route, _strong(table), route.attr, current, current is not MISSING, new, label,
+                                    module_name))
+        return ReportRow(route.switch, label, describe(current), describe(new), "applied")
+
     def _remember(self, key, record: _Record) -> None:
         if key in self._records:
             # re-applied over a value someone else put there: keep the value deltafuse first found
@@ -376,7 +417,12 @@ class Patcher:
                     rows.append(ReportRow(rec.route.switch, rec.label, describe(rec.new), describe(rec.old), "gone",
                                           module=rec.module))
                     continue
-                if rec.had_own:
+                if rec.route.kind == "mapping":
+                    if rec.had_own:
+                        target[rec.attr] = rec.old
+                    else:
+                        target.pop(rec.attr, None)
+                elif rec.had_own:
                     setattr(target, rec.attr, rec.old)
                 else:
                     try:
@@ -400,3 +446,24 @@ class Patcher:
 
 def _strong(obj):
     return lambda: obj
+
+
+def _follow(obj, path: str):
+    """The object at dotted attribute ``path`` of ``obj`` (``obj`` itself for ""), or MISSING."""
+    for name in filter(None, path.split(".")):
+        obj = getattr(obj, name, MISSING)
+        if obj is MISSING or obj is None:
+            return MISSING
+    return obj
+
+
+def resolve(dotted: str):
+    """The object at a dotted import path (``package.module.Object.attr``), or MISSING when it does not exist."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        return _follow(obj, ".".join(parts[cut:]))
+    return MISSING

@@ -1,10 +1,14 @@
 """Qwen3.5-MoE: which objects of ``transformers.models.qwen3_5_moe.modeling_qwen3_5_moe`` deltafuse routes."""
 
+from deltafuse.integrations.transformers.fused_rows import fused_routes, moe_routes
 from deltafuse.integrations.transformers.gdn_rows import gdn_routes
 from deltafuse.integrations.transformers.patcher import FamilyMap
 
 MAP = FamilyMap(
     family="qwen3_5_moe",
     module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
-    routes=gdn_routes(gdn="Qwen3_5MoeGatedDeltaNet", text_model="Qwen3_5MoeTextModel"),
+    routes=gdn_routes(gdn="Qwen3_5MoeGatedDeltaNet", text_model="Qwen3_5MoeTextModel")
+    + fused_routes(rms_norm="Qwen3_5MoeRMSNorm", rms_norm_gated="Qwen3_5MoeRMSNormGated", mlp="Qwen3_5MoeMLP",
+                   causal_lm="Qwen3_5MoeForCausalLM")
+    + moe_routes(experts="Qwen3_5MoeExperts"),
 )

@@ -1,10 +1,14 @@
 """Qwen3-Next: which objects of ``transformers.models.qwen3_next.modeling_qwen3_next`` deltafuse routes."""
 
+from deltafuse.integrations.transformers.fused_rows import fused_routes, moe_routes
 from deltafuse.integrations.transformers.gdn_rows import gdn_routes
 from deltafuse.integrations.transformers.patcher import FamilyMap
 
 MAP = FamilyMap(
     family="qwen3_next",
     module="transformers.models.qwen3_next.modeling_qwen3_next",
-    routes=gdn_routes(gdn="Qwen3NextGatedDeltaNet", text_model="Qwen3NextModel"),
+    routes=gdn_routes(gdn="Qwen3NextGatedDeltaNet", text_model="Qwen3NextModel")
+    + fused_routes(rms_norm="Qwen3NextRMSNorm", rms_norm_gated="Qwen3NextRMSNormGated", mlp="Qwen3NextMLP",
+                   causal_lm="Qwen3NextForCausalLM")
+    + moe_routes(experts="Qwen3NextExperts"),
 )

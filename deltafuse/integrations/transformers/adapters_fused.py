@@ -1,0 +1,297 @@
+"""Adapters that route the block ops, the loss and the MoE experts of the three families to ``deltafuse.ops``.
+
+Every function here is either a *forward factory* (``wrap_*``: takes the stock function or method, returns
+the replacement, which falls back to the stock one for any call the deltafuse op does not express exactly) or
+a value a map row installs (``experts_forward``), or a helper of these. The ops are looked up on
+``deltafuse.ops`` at call time; each picks its implementation per call through the registry.
+
+* ``*RMSNorm.forward``       -> ``ops.rms_norm_zero_centered(x, weight, eps)`` (every zero-centred norm:
+  input, post-attention, final, q_norm, k_norm).
+* ``*RMSNormGated.forward``  -> ``ops.rms_norm_gated(x, gate, weight, variance_epsilon)`` when a gate is given
+  and the activation is SiLU.
+* ``apply_rotary_pos_emb``   -> ``ops.apply_rotary_pos_emb`` for q/k [B, H, T, D] or [B, T, H, D] with
+  cos/sin [B or 1, T, rotary_dim].
+* ``*MLP.forward``           -> ``down_proj(ops.swiglu(gate_proj(x), up_proj(x)))`` when the activation is SiLU
+  (dense MLPs and the MoE shared expert).
+* ``*ForCausalLM.forward``   -> the stock forward with the head bypassed, then
+  ``ops.fused_linear_cross_entropy`` on the hidden states (see ``wrap_causal_lm_forward``).
+* experts                    -> ``experts_forward``: registered in transformers' experts interface under
+  ``EXPERTS_NAME`` (selectable by name), and serving every experts module whose config selects a torch
+  implementation (``wrap_experts_forward``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from deltafuse import ops
+
+# Keyword a caller passes to a patched ``*ForCausalLM.forward`` to get the logits with the loss.
+LOGITS_KWARG = "deltafuse_logits"
+# The name deltafuse's experts function has in transformers' experts interface.
+EXPERTS_NAME = "deltafuse"
+# Stock experts implementations that compute in torch: modules whose config selects one of these are served by
+# deltafuse. Other selections (hub or GPU-library kernels a user chose) are left as they are.
+TORCH_EXPERTS = ("eager", "grouped_mm", "batched_mm")
+
+
+def _mark(wrapper, original, factory: str):
+    wrapper.__deltafuse_wraps__ = original
+    wrapper.__deltafuse_factory__ = f"deltafuse.{factory}"
+    return wrapper
+
+
+@functools.lru_cache(maxsize=None)
+def _silu_types() -> tuple[type, ...]:
+    types = [torch.nn.SiLU]
+    try:
+        from transformers.activations import SiLUActivation
+
+        types.append(SiLUActivation)
+    except ImportError:  # an older transformers: only nn.SiLU is a SiLU module
+        pass
+    return tuple(types)
+
+
+def _is_silu(act) -> bool:
+    return type(act) in _silu_types() or act is torch.nn.functional.silu
+
+
+# --- norms, RoPE, SwiGLU ---------------------------------------------------------------------------
+def wrap_rms_norm_forward(original):
+    """``Qwen3_5RMSNorm.forward`` (and its copies): x * rsqrt(mean x^2 + eps) * (1 + w) in fp32."""
+
+    @functools.wraps(original)
+    def forward(self, x, *args, **kwargs):
+        if args or kwargs:
+            return original(self, x, *args, **kwargs)
+        return ops.rms_norm_zero_centered(x, self.weight, self.eps)
+
+    return _mark(forward, original, "wrap_rms_norm_forward")
+
+
+def wrap_rms_norm_gated_forward(original):
+    """``Qwen3_5RMSNormGated.forward`` (and its copies): (w * norm(x).to(dtype)) * silu(gate)."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, gate=None, *args, **kwargs):
+        if gate is None or args or kwargs or getattr(self, "activation", "silu") not in ("silu", "swish"):
+            return original(self, hidden_states, gate, *args, **kwargs)
+        return ops.rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon)
+
+    return _mark(forward, original, "wrap_rms_norm_gated_forward")
+
+
+def wrap_apply_rotary_pos_emb(original):
+    """The modeling module's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (partial RoPE)."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
+        plain = (not args and not kwargs and unsqueeze_dim in (1, 2, -3, -2)
+                 and all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin))
+                 and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
+                 and k.dtype == q.dtype and sin.dtype == cos.dtype
+                 and cos.shape[-1] % 2 == 0 and 0 < cos.shape[-1] <= q.shape[-1])
+        if not plain:
+            return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
+        return ops.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    return _mark(apply_rotary_pos_emb, original, "wrap_apply_rotary_pos_emb")
+
+
+def wrap_mlp_forward(original):
+    """``*MLP.forward``: down(silu(gate(x)) * up(x)) with the activation and product in ``ops.swiglu``."""
+
+    @functools.wraps(original)
+    def forward(self, x, *args, **kwargs):
+        if args or kwargs or not _is_silu(getattr(self, "act_fn", None)):
+            return original(self, x, *args, **kwargs)
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    return _mark(forward, original, "wrap_mlp_forward")
+
+
+# --- loss ------------------------------------------------------------------------------------------
+def head_weight(head):
+    """(weight, bias) the fused loss can use for ``lm_head``, or None when only the stock path is exact.
+
+    A plain ``nn.Linear`` (a tied input embedding included): its parameters. A PEFT LoRA ``Linear`` around a
+    plain ``nn.Linear``: the effective weight W + sum of the active adapters' delta (B @ A * scaling), built on
+    every call so autograd reaches A and B (a [V, H] temporary, far below stock's [tokens, V] logits; never
+    cached). None for LoRA dropout, DoRA and other LoRA variants, LoRA bias, merged or disabled adapters,
+    fan_in_fan_out, any other wrapper (``modules_to_save`` ...), and a head with hooks or an instance
+    ``forward`` (accelerate offloading, tensor parallelism), whose weight may not be the one the head uses.
+    """
+    if _hooked(head):
+        return None
+    if type(head) is torch.nn.Linear:
+        return head.weight, head.bias
+    base = getattr(head, "base_layer", None)
+    if type(base) is not torch.nn.Linear or _hooked(base) or not hasattr(head, "get_delta_weight") \
+            or not hasattr(head, "lora_A") or getattr(head, "merged", False) \
+            or getattr(head, "disable_adapters", False) or getattr(head, "fan_in_fan_out", False):
+        return None
+    active = [a for a in head.active_adapters if a in head.lora_A]
+    for a in active:
+        if type(head.lora_dropout[a]) is not torch.nn.Identity or getattr(head, "use_dora", {}).get(a) \
+                or getattr(head, "lora_bias", {}).get(a) or a in getattr(head, "lora_variant", {}) \
+                or type(head.lora_A[a]) is not torch.nn.Linear or type(head.lora_B[a]) is not torch.nn.Linear:
+            return None
+    weight = base.weight
+    for a in active:
+        weight = weight + head.get_delta_weight(a).to(weight.dtype)
+    return weight, base.bias
+
+
+def _hooked(module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
+
+
+def _identity(hidden_states):
+    return hidden_states
+
+
+@functools.lru_cache(maxsize=None)
+def _stock_causal_lm_loss():
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        return LOSS_MAPPING.get("ForCausalLM")
+    except ImportError:
+        return None
+
+
+def fused_loss_blocker(model, kwargs: dict, want_logits: bool) -> str | None:
+    """Why a ``*ForCausalLM`` call must take the stock path (None: the fused loss computes it exactly)."""
+    labels = kwargs.get("labels")
+    if labels is None:
+        return "no labels"
+    if not isinstance(labels, torch.Tensor):
+        return "labels are not a tensor"
+    if want_logits:
+        return f"the caller asked for logits ({LOGITS_KWARG}=True)"
+    if not torch.is_grad_enabled():
+        return "gradients are off (evaluation: logits are returned)"
+    keep = kwargs.get("logits_to_keep", 0)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep != 0:
+        return f"logits_to_keep={keep!r}"
+    if "_loss_function" in vars(model) or model.loss_function is not _stock_causal_lm_loss():
+        return "the model has a custom loss function"
+    return None
+
+
+def wrap_causal_lm_forward(original):
+    """``*ForCausalLM.forward`` whose loss is ``ops.fused_linear_cross_entropy``: no [tokens, vocab] logits.
+
+    The fused path runs when labels are given, gradients are on, ``logits_to_keep`` is 0, the model uses the
+    stock causal-LM loss and the head is a plain ``nn.Linear`` or a plain LoRA around one (``head_weight``).
+    It calls the stock forward with ``labels=None`` while the head is bypassed (an identity ``forward`` on
+    the head instance for this call only), so the "logits" it returns are the final hidden states; then
+    computes the loss with the stock keywords (``num_items_in_batch``, ``ignore_index``, ``shift_labels``)
+    and adds ``router_aux_loss_coef * aux_loss`` when the model returns a router aux loss, as stock does.
+    The output is the stock output class with ``logits=None``. The bypass lives on the head instance for the
+    duration of the call: two threads running the same model object at once are not supported.
+
+    Logits: whoever needs them gets the stock path, which returns them (with their gradient): every call
+    without gradients (evaluation, generation), every call without labels or with ``logits_to_keep`` != 0,
+    and a call that passes ``deltafuse_logits=True`` (the keyword is removed before the stock forward runs).
+    """
+    signature = inspect.signature(original)
+    positional = [p.name for p in list(signature.parameters.values())[1:]
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        want_logits = kwargs.pop(LOGITS_KWARG, False)
+        if not isinstance(want_logits, bool):
+            raise ValueError(f"{LOGITS_KWARG}={want_logits!r}; allowed: True (return logits, stock loss path) "
+                             "or False")
+        if args:
+            if len(args) > len(positional) or any(n in kwargs for n in positional[:len(args)]):
+                return original(self, *args, **kwargs)  # let the stock forward report the bad call
+            kwargs = {**dict(zip(positional, args)), **kwargs}
+        if fused_loss_blocker(self, kwargs, want_logits) is not None:
+            return original(self, **kwargs)
+        head = self.get_output_embeddings()
+        weights = None if head is None else head_weight(head)
+        vocab = getattr(self.config, "vocab_size", None)
+        if weights is None or weights[0].shape[0] != vocab:
+            return original(self, **kwargs)
+        weight, bias = weights
+        labels = kwargs.pop("labels")
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        head.forward = _identity  # instance attribute: shadows the class forward for this call only
+        try:
+            out = original(self, labels=None, return_dict=True, **kwargs)
+        finally:
+            vars(head).pop("forward", None)
+        hidden = out.logits
+        shift_labels = kwargs.get("shift_labels")
+        loss = ops.fused_linear_cross_entropy(
+            hidden, weight, labels if shift_labels is None else shift_labels, bias=bias,
+            ignore_index=kwargs.get("ignore_index", -100), num_items_in_batch=kwargs.get("num_items_in_batch"),
+            shift=shift_labels is None)
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None:
+            loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+        fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+        result = type(out)(loss=loss, **fields)
+        return result if return_dict else result.to_tuple()
+
+    return _mark(forward, original, "wrap_causal_lm_forward")
+
+
+# --- MoE experts ------------------------------------------------------------------------------------
+def experts_plain(experts) -> bool:
+    """True when ``ops.moe_experts`` computes this experts module exactly: gated, concatenated [gate; up]
+    rows, not transposed, no bias, no post-expert norm, SiLU (the module's ``act_fn``) with transformers' default
+    gating, every expert local (no expert parallelism: a shard holds fewer experts than the config names)."""
+    gate_up = getattr(experts, "gate_up_proj", None)
+    return (getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False)
+            and getattr(experts, "is_concatenated", True) and not getattr(experts, "is_transposed", False)
+            and not getattr(experts, "has_post_expert_norm", False)
+            and not getattr(experts, "_is_expert_parallel", False)
+            and isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3
+            and gate_up.shape[0] == getattr(experts, "num_experts", None)
+            and gate_up.shape[0] == getattr(getattr(experts, "config", None), "num_experts", gate_up.shape[0])
+            and _is_silu(getattr(experts, "act_fn", None)) and _default_gate(experts))
+
+
+def _default_gate(experts) -> bool:
+    """The experts combine gate and up as transformers' default ``_apply_gate`` does: silu(gate) * up."""
+    gate = getattr(type(experts), "_apply_gate", None)
+    if gate is None:
+        return True
+    from transformers.integrations import moe
+
+    return gate is getattr(moe, "_default_apply_gate", None)
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The experts-interface function ``EXPERTS_NAME``: ``ops.moe_experts`` for plain experts, transformers'
+    ``grouped_mm`` experts forward for any other layout (bias, transposed, expert-parallel shards ...)."""
+    if not experts_plain(self):
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return ops.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+def wrap_experts_forward(original):
+    """``*Experts.forward`` (transformers' experts-interface dispatcher): a module whose config selects a torch
+    implementation (``TORCH_EXPERTS``, or none) is served by ``experts_forward``; any other selection (a hub or
+    GPU-library kernel, or ``EXPERTS_NAME`` itself) dispatches through the interface as before."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        impl = getattr(getattr(self, "config", None), "_experts_implementation", None)
+        if args or kwargs or (impl is not None and impl not in TORCH_EXPERTS):
+            return original(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+    return _mark(forward, original, "wrap_experts_forward")

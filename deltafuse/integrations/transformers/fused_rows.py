@@ -1,0 +1,47 @@
+"""The block-op, loss (switch ``fused_ops``) and experts (switch ``moe``) rows, built from a family's class names.
+
+Both transformers designs (5.2-5.14 and 5.15+) define these classes and the module global
+``apply_rotary_pos_emb`` (looked up by the attention forward at call time) in the same way, so the rows
+have ``design="any"``. Old design with FLA importable: GDN layers built before ``apply`` hold FLA's
+``FusedRMSNormGated`` instead of ``*RMSNormGated``; the ``gdn`` rows make models built afterwards use the
+torch class, built ones keep FLA's norm (the note on the row says so).
+"""
+
+from __future__ import annotations
+
+from deltafuse.integrations.transformers import adapters_fused as f
+from deltafuse.integrations.transformers.patcher import Route
+
+EXPERTS_MAPPING = "transformers.integrations.moe.ExpertsInterface._global_mapping"
+
+
+def fused_routes(rms_norm: str, rms_norm_gated: str, mlp: str, causal_lm: str) -> tuple[Route, ...]:
+    """Norm, RoPE, SwiGLU and loss rows for a family whose zero-centred norm class is ``rms_norm``, gated norm
+    ``rms_norm_gated``, dense MLP / shared expert ``mlp`` and causal LM ``causal_lm``."""
+    return (
+        Route("fused_ops", "class", rms_norm, "forward", f.wrap_rms_norm_forward, wrap=True),
+        Route("fused_ops", "class", rms_norm_gated, "forward", f.wrap_rms_norm_gated_forward, wrap=True,
+              note="old design with FLA installed: GDN layers built before apply hold FLA's FusedRMSNormGated, "
+                   "which is left as it is"),
+        Route("fused_ops", "global", "", "apply_rotary_pos_emb", f.wrap_apply_rotary_pos_emb, wrap=True),
+        Route("fused_ops", "class", mlp, "forward", f.wrap_mlp_forward, wrap=True,
+              note="SiLU activations only; other activations run the stock forward"),
+        Route("fused_ops", "class", causal_lm, "forward", f.wrap_causal_lm_forward, wrap=True,
+              note="fused loss with labels and gradients on; logits returned by the stock path (no grad, "
+                   f"logits_to_keep != 0, {f.LOGITS_KWARG}=True)"),
+    )
+
+
+def moe_routes(experts: str) -> tuple[Route, ...]:
+    """Experts rows for a family whose experts class is ``experts`` (decorated with transformers'
+    ``use_experts_implementation``, which dispatches by ``config._experts_implementation``)."""
+    return (
+        # the name in transformers' experts interface (from_pretrained(experts_implementation="deltafuse"),
+        # model.set_experts_implementation("deltafuse")) ...
+        Route("moe", "mapping", experts, f.EXPERTS_NAME, f.experts_forward, mapping=EXPERTS_MAPPING,
+              note="plain experts use ops.moe_experts; other layouts transformers' grouped_mm"),
+        # ... and what serves every module whose config selects a torch implementation, built before or after
+        Route("moe", "class", experts, "forward", f.wrap_experts_forward, wrap=True,
+              note=f"configs selecting {', '.join(f.TORCH_EXPERTS)} (or none) use deltafuse's experts; "
+                   "other selections dispatch as before"),
+    )

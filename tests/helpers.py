@@ -42,3 +42,22 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, n
         worst = (a - b).abs().max().item()
         assert worst <= peak * tol * scale, (
             f"{name}: max abs error {worst:.3e} > {peak:g} * {tol:.1e} * rms(reference) {scale:.3e}")
+
+
+class StandInDevice:
+    """What selection reads of a device (type, index), for torch builds that reject 'npu' without torch_npu
+    (torch_npu renames the privateuse1 backend on import; doing that here would be irreversible)."""
+
+    def __init__(self, type_: str, index: int):
+        self.type, self.index = type_, index
+
+    def __str__(self):
+        return f"{self.type}:{self.index}"
+
+
+def npu_device():
+    """torch.device('npu', 0) where this torch accepts it, else a stand-in with the same type and index."""
+    try:
+        return torch.device("npu", 0)
+    except RuntimeError:
+        return StandInDevice("npu", 0)

@@ -18,7 +18,7 @@ from deltafuse.backends.registry import CallInfo, Registry  # noqa: E402
 from deltafuse.ops.norm import api  # noqa: E402
 from deltafuse.ops.norm.naive import naive_rms_norm_gated, naive_rms_norm_zero_centered  # noqa: E402
 from deltafuse.ops.norm.reference import rms_norm_gated_torch, rms_norm_zero_centered_torch  # noqa: E402
-from tests.helpers import assert_rel_close, rel_rms  # noqa: E402
+from tests.helpers import assert_rel_close, npu_device, rel_rms  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
@@ -226,24 +226,6 @@ def test_triton_candidate_rules():
 
 
 # --- Ascend NPU route with a stand-in torch_npu --------------------------------------------------------
-class _StandInDevice:
-    """What selection reads of a device (type, index), for torch builds that reject 'npu' without torch_npu
-    (torch_npu renames the privateuse1 backend on import; doing that here would be irreversible)."""
-
-    def __init__(self, type_: str, index: int):
-        self.type, self.index = type_, index
-
-    def __str__(self):
-        return f"{self.type}:{self.index}"
-
-
-def _npu_device():
-    try:
-        return torch.device("npu", 0)
-    except RuntimeError:
-        return _StandInDevice("npu", 0)
-
-
 def _fake_torch_npu(calls):
     mod = types.ModuleType("torch_npu")
 
@@ -262,7 +244,7 @@ def test_npu_route_selection_and_argument_mapping(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
     reg = Registry()
     norm_backends.register(reg)
-    npu = CallInfo(_npu_device(), torch.bfloat16, True)
+    npu = CallInfo(npu_device(), torch.bfloat16, True)
     rows = {d.candidate: d for d in reg.explain(api.RMS_NORM, npu)}
     assert rows["npu"].chosen and rows["npu"].verified is False
     assert "need" in rows["triton"].reason or "CUDA" in rows["triton"].reason
@@ -271,7 +253,7 @@ def test_npu_route_selection_and_argument_mapping(monkeypatch):
     # never on other devices, and fp64 is not accepted by torch_npu
     assert [d.candidate for d in reg.explain(api.RMS_NORM, CallInfo(torch.device("cpu"), torch.float32, True))
             if d.chosen] == ["torch"]
-    assert "fp16, bf16, fp32" in reg.explain(api.RMS_NORM, CallInfo(_npu_device(), torch.float64,
+    assert "fp16, bf16, fp32" in reg.explain(api.RMS_NORM, CallInfo(npu_device(), torch.float64,
                                                                    True))[1].reason
 
     impl = reg.select(api.RMS_NORM, npu)
@@ -297,7 +279,7 @@ def test_npu_route_unavailable_without_torch_npu(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
     reg = Registry()
     norm_backends.register(reg)
-    rows = {d.candidate: d for d in reg.explain(api.RMS_NORM, CallInfo(_npu_device(), torch.bfloat16,
+    rows = {d.candidate: d for d in reg.explain(api.RMS_NORM, CallInfo(npu_device(), torch.bfloat16,
                                                                       True))}
     assert rows["torch"].chosen and "torch_npu does not import" in rows["npu"].reason
 
@@ -371,7 +353,7 @@ def test_info_marks_npu_routes_unverified_on_hardware(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu([]))
     REGISTRY.clear_cache()  # availability is cached per process; the stand-in must be seen
     try:
-        report = info(devices=[_npu_device()])
+        report = info(devices=[npu_device()])
         rows = {op: r for op, r in report["ops"].items() if op == api.RMS_NORM}
         assert all(r["chosen"] == "npu" and r["unverified_on_hardware"] for r in rows[api.RMS_NORM])
         assert "-> npu (unverified on hardware)" in format_info(report)

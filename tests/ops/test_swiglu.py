@@ -18,7 +18,7 @@ from deltafuse.backends.registry import CallInfo, Registry  # noqa: E402
 from deltafuse.ops.swiglu import api  # noqa: E402
 from deltafuse.ops.swiglu.naive import naive_swiglu  # noqa: E402
 from deltafuse.ops.swiglu.reference import swiglu_torch  # noqa: E402
-from tests.helpers import assert_rel_close, rel_rms  # noqa: E402
+from tests.helpers import assert_rel_close, npu_device, rel_rms  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
@@ -131,23 +131,6 @@ def test_argument_errors(call, match):
 
 
 # --- Ascend NPU route with a stand-in torch_npu --------------------------------------------------------
-class _StandInDevice:
-    """(type, index) of an npu device, for torch builds that reject 'npu' without torch_npu."""
-
-    def __init__(self, type_: str, index: int):
-        self.type, self.index = type_, index
-
-    def __str__(self):
-        return f"{self.type}:{self.index}"
-
-
-def _npu_device():
-    try:
-        return torch.device("npu", 0)
-    except RuntimeError:
-        return _StandInDevice("npu", 0)
-
-
 def test_npu_route_selection_and_argument_mapping(monkeypatch):
     calls = []
     fake = types.ModuleType("torch_npu")
@@ -161,7 +144,7 @@ def test_npu_route_selection_and_argument_mapping(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     reg = Registry()
     swiglu_backends.register(reg)
-    call = CallInfo(_npu_device(), torch.bfloat16, True)
+    call = CallInfo(npu_device(), torch.bfloat16, True)
     rows = {d.candidate: d for d in reg.explain(api.SWIGLU, call)}
     assert rows["npu"].chosen and rows["npu"].verified is False and rows["triton"].reason
     impl = reg.select(api.SWIGLU, call)

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
+
+
+# Where kernel tests run: the GPU when there is one, else the Triton interpreter on CPU (tests/conftest.py
+# sets TRITON_INTERPRET=1 without CUDA).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not interpreted)")
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:

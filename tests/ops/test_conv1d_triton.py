@@ -6,7 +6,6 @@ Without CUDA the kernels run under the Triton interpreter in fp32 on tiny shapes
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -17,15 +16,11 @@ from deltafuse.ops.conv1d import kernel as conv_kernel  # noqa: E402
 from deltafuse.ops.conv1d.kernel import causal_conv1d_fn_triton  # noqa: E402
 from deltafuse.ops.conv1d.naive import naive_causal_conv1d  # noqa: E402
 from deltafuse.ops.conv1d.reference import causal_conv1d_fn_torch  # noqa: E402
-from tests.helpers import assert_rel_close, rel_rms  # noqa: E402
+from tests.helpers import DEVICE, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 if DEVICE == "cpu" and not isinstance(conv_kernel._conv_fwd_kernel, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
                 allow_module_level=True)
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not interpreted)")
 
 
 def _inputs(B, C, T, W, *, bias, init, layout_btc, gen, dtype=torch.float32):

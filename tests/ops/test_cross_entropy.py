@@ -8,7 +8,6 @@ CUDA: bf16 at Qwen3.5's vocabulary.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -18,12 +17,8 @@ from deltafuse.backends import cross_entropy as ce_backends
 from deltafuse.backends.registry import CallInfo, Registry
 from deltafuse.ops.cross_entropy import reference
 from deltafuse.ops.cross_entropy.naive import naive_linear_cross_entropy
-from tests.helpers import assert_rel_close, rel_rms
+from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not interpreted)")
 OP = ce_backends.FUSED_LINEAR_CROSS_ENTROPY
 
 

@@ -4,20 +4,15 @@ Every check draws fresh random inputs, a random upstream gradient for o and for 
 compares o, the final state and every gradient by relative RMS error, rms(a - b) / rms(b), plus a
 max-abs bound so that a single unwritten or garbage element cannot hide in the mean.
 
-Without CUDA the kernels run under the Triton interpreter in fp32 on tiny shapes (the environment
-variable is set here, before Triton is imported). Tests marked ``gpu`` need CUDA and use bf16 / fp16 /
+Without CUDA the kernels run under the Triton interpreter in fp32 on tiny shapes (tests/conftest.py sets the
+environment variable before Triton is imported). Tests marked ``gpu`` need CUDA and use bf16 / fp16 /
 fp32 on the shapes of Qwen3.5 layers.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
 
@@ -25,20 +20,11 @@ from deltafuse.ops.gated_delta import chunk as chunk_mod  # noqa: E402
 from deltafuse.ops.gated_delta.chunk import chunk_gated_delta_rule_triton  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
 from deltafuse.ops.gated_delta.recurrent import fused_recurrent_gated_delta_rule_triton  # noqa: E402
+from tests.helpers import DEVICE, INTERPRETED, gpu, needs_cuda, rel_rms  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if not torch.cuda.is_available() and not isinstance(chunk_mod._intra_fwd, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("no CUDA and the Triton kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
                 allow_module_level=True)
-
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not interpreted)")
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-300)).item()
 
 
 def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:

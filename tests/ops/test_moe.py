@@ -6,7 +6,6 @@ saved-for-backward footprint, and argument checks. ``gpu`` tests need CUDA (bf16
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -15,12 +14,8 @@ from deltafuse.backends import moe as moe_backends
 from deltafuse.backends.registry import CallInfo, Registry
 from deltafuse.ops.moe import reference
 from deltafuse.ops.moe.naive import naive_moe_experts
-from tests.helpers import assert_rel_close, rel_rms
+from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not interpreted)")
 OP = moe_backends.MOE_EXPERTS
 
 

@@ -6,7 +6,6 @@ variable is set before Triton is imported). ``gpu`` tests need CUDA: bf16 at Qwe
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 
@@ -18,12 +17,10 @@ from deltafuse.backends.registry import CallInfo, Registry  # noqa: E402
 from deltafuse.ops.norm import api  # noqa: E402
 from deltafuse.ops.norm.naive import naive_rms_norm_gated, naive_rms_norm_zero_centered  # noqa: E402
 from deltafuse.ops.norm.reference import rms_norm_gated_torch, rms_norm_zero_centered_torch  # noqa: E402
-from tests.helpers import assert_rel_close, npu_device, rel_rms  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, npu_device, rel_rms,
+)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not interpreted)")
 
 
 def _kernel():

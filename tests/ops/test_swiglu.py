@@ -6,7 +6,6 @@ CUDA: bf16 at Qwen3.5-35B-A3B sizes (moe intermediate 512, shared expert 512, 40
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 
@@ -18,12 +17,10 @@ from deltafuse.backends.registry import CallInfo, Registry  # noqa: E402
 from deltafuse.ops.swiglu import api  # noqa: E402
 from deltafuse.ops.swiglu.naive import naive_swiglu  # noqa: E402
 from deltafuse.ops.swiglu.reference import swiglu_torch  # noqa: E402
-from tests.helpers import assert_rel_close, npu_device, rel_rms  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, npu_device, rel_rms,
+)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not interpreted)")
 
 
 def _kernel():

@@ -209,3 +209,15 @@ def test_update_steps_equal_full_conv(dtype, W, S):
         assert_rel_close(torch.cat(outs, -1), full, TOL[dtype], f"out (blocks of {block})")
         expected_state = torch.cat([torch.zeros(B, C, max(S - T, 0), dtype=dtype), x[..., max(T - S, 0) :]], -1)
         assert torch.equal(state, expected_state)
+
+
+@pytest.mark.parametrize("with_init", [False, True])
+def test_empty_time_axis(with_init):
+    """T = 0: an empty output, and the final state is the initial state (or zeros), as the oracle says."""
+    x = torch.randn(2, 6, 0)
+    weight = torch.randn(6, 4)
+    init = torch.randn(2, 6, 3) if with_init else None
+    out, final = causal_conv1d_fn_torch(x, weight, None, "silu", initial_states=init, return_final_states=True)
+    ref_out, ref_final = naive_causal_conv1d(x, weight, None, "silu", initial_states=init, return_final_states=True)
+    assert out.shape == ref_out.shape == (2, 6, 0)
+    assert torch.equal(final.double(), ref_final) and final.shape == (2, 6, 3)

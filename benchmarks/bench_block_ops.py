@@ -23,29 +23,20 @@ from typing import Callable
 
 import torch
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from deltafuse.bench.cases import (  # noqa: E402  (shared with `deltafuse bench ops`)
+    Sizes,
+    liger_partial_rope,
+    liger_rms_norm,
+    liger_swiglu,
+    rope_cos_sin,
+)
+
 OPS = ("rms_norm", "rms_norm_gated", "swiglu", "rope", "conv1d")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass
-class Sizes:
-    """Qwen3.5-35B-A3B (Qwen3_5MoeTextConfig defaults) at ``tokens`` tokens."""
-
-    tokens: int = 4096
-    hidden: int = 2048
-    head_dim: int = 256
-    q_heads: int = 16
-    kv_heads: int = 2
-    partial_rotary_factor: float = 0.25
-    linear_value_heads: int = 32
-    linear_value_head_dim: int = 128
-    linear_key_heads: int = 16
-    linear_key_head_dim: int = 128
-    conv_kernel: int = 4
-    moe_intermediate: int = 512
-    shared_expert_intermediate: int = 512
-    experts_per_token: int = 8
-    eps: float = 1e-6
 
 
 @dataclass
@@ -87,14 +78,6 @@ def _liger():
     except Exception as exc:  # not installed or broken: recorded, not fatal
         return None, f"liger_kernel does not import: {type(exc).__name__}: {exc}"
     return True, None
-
-
-def _liger_rms_norm(D, eps):
-    from liger_kernel.transformers.rms_norm import LigerRMSNorm
-
-    # Qwen3.5's (1 + w) norm computed in fp32: offset 1.0, gemma casting mode, weight initialised to zeros
-    mod = LigerRMSNorm(D, eps=eps, offset=1.0, casting_mode="gemma", init_fn="zeros")
-    return mod
 
 
 def build_cases(sizes: Sizes, dtype: torch.dtype, ops: list[str], use_liger: bool,
@@ -149,7 +132,7 @@ def build_cases(sizes: Sizes, dtype: torch.dtype, ops: list[str], use_liger: boo
                      "stock": lambda x, w, m=stock: m(x)}
             if liger_ok:
                 try:
-                    lmod = _liger_rms_norm(Dn, sizes.eps).to(dev, dtype)
+                    lmod = liger_rms_norm(Dn, sizes.eps).to(dev, dtype)
                     with torch.no_grad():
                         lmod.weight.copy_(stock.weight)
                     impls["liger"] = lambda x, w, m=lmod: m(x)
@@ -189,38 +172,26 @@ def build_cases(sizes: Sizes, dtype: torch.dtype, ops: list[str], use_liger: boo
                      "stock": lambda g, u: torch.nn.functional.silu(g) * u}
             if liger_ok:
                 try:
-                    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
-                    impls["liger"] = LigerSiLUMulFunction.apply
+                    impls["liger"] = liger_swiglu()
                 except Exception as exc:
                     notes["liger swiglu"] = f"{type(exc).__name__}: {exc}"
             cases.append(Case("swiglu", label, str((rows, C)), make_s, impls))
 
     if "rope" in ops:
-        rd = int(D * sizes.partial_rotary_factor)
+        rd = sizes.rotary_dim
 
         def make_r():
             q = rnd(1, N, sizes.q_heads, D).transpose(1, 2)  # transformers' [B, H, T, D] view
             k = rnd(1, N, sizes.kv_heads, D).transpose(1, 2)
-            pos = torch.arange(N, device=dev, dtype=torch.float32)
-            inv = 1.0 / (10_000.0 ** (torch.arange(0, rd, 2, device=dev, dtype=torch.float32) / rd))
-            f = pos[:, None] * inv
-            emb = torch.cat([f, f], -1)[None]
-            return {"inputs": [q, k, emb.cos().to(dtype), emb.sin().to(dtype)],
+            cos, sin = rope_cos_sin(N, rd, dev, dtype)
+            return {"inputs": [q, k, cos, sin],
                     "grad_out": (rnd(1, sizes.q_heads, N, D), rnd(1, sizes.kv_heads, N, D))}
 
         impls = {"deltafuse": lambda q, k, c, s: rope_api.apply_rotary_pos_emb(q, k, c, s, backend="triton"),
                  "deltafuse kernel": apply_rotary_pos_emb_triton, "stock": hf.apply_rotary_pos_emb}
         if liger_ok:
             try:
-                from liger_kernel.transformers.rope import liger_rotary_pos_emb
-
-                def liger_partial(q, k, c, s):
-                    # Liger rotates the whole head: give it the rotary slice, concatenate the rest back
-                    qr, kr = liger_rotary_pos_emb(q[..., :rd].contiguous(), k[..., :rd].contiguous(), c, s)
-                    return torch.cat([qr, q[..., rd:]], -1), torch.cat([kr, k[..., rd:]], -1)
-
-                impls["liger (rotary slice + cat)"] = liger_partial
+                impls["liger (rotary slice + cat)"] = liger_partial_rope(rd)
             except Exception as exc:
                 notes["liger rope"] = f"{type(exc).__name__}: {exc}"
         cases.append(Case("rope", f"partial RoPE q+k (rotary_dim {rd})",

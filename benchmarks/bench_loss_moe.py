@@ -34,21 +34,24 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from deltafuse.bench.cases import QWEN35_35B_A3B as SIZES  # noqa: E402  (shared with `deltafuse bench ops`)
+from deltafuse.bench.cases import liger_fused_linear_cross_entropy  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", nargs="?", default="bench_loss_moe.json", help="JSON file to write (default: %(default)s)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="loss-path token counts")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=248320)
+    p.add_argument("--tokens", type=int, nargs="+", default=[SIZES.tokens, 16384], help="loss-path token counts")
+    p.add_argument("--hidden", type=int, default=SIZES.hidden)
+    p.add_argument("--vocab", type=int, default=SIZES.vocab)
     p.add_argument("--head", choices=["frozen", "trainable", "both"], default="both")
     p.add_argument("--chunk-sizes", type=int, nargs="*", default=[128, 512, 2048],
                    help="also time the Triton loss at these chunk sizes (tokens per chunk), to tune the default "
                         "(default: %(default)s; give the flag alone for none)")
-    p.add_argument("--moe-tokens", type=int, default=4096)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--moe-intermediate", type=int, default=512)
+    p.add_argument("--moe-tokens", type=int, default=SIZES.tokens)
+    p.add_argument("--experts", type=int, default=SIZES.num_experts)
+    p.add_argument("--top-k", type=int, default=SIZES.experts_per_token)
+    p.add_argument("--moe-intermediate", type=int, default=SIZES.moe_intermediate)
     p.add_argument("--skip-loss", action="store_true")
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--rep", type=int, default=50, help="do_bench repetition time in ms (default: %(default)s)")
@@ -151,13 +154,10 @@ def _loss_cases(args):
             impls = [("stock", stock), ("deltafuse-triton", ours("triton")), ("deltafuse-torch", ours("torch"))]
             impls += [(f"deltafuse-triton-c{c}", ours("triton", c)) for c in args.chunk_sizes]
             try:
-                from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-
-                liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
-                sh = torch.cat([labels[:, 1:], labels.new_full((1, 1), -100)], dim=1).view(-1)
+                liger = liger_fused_linear_cross_entropy(ignore_index=-100)
 
                 def liger_fn():
-                    liger(weight, hidden.view(-1, args.hidden), sh).backward()
+                    liger(hidden, weight, labels).backward()
 
                 impls.insert(1, ("liger", liger_fn))
             except Exception as exc:  # noqa: BLE001

@@ -1,9 +1,19 @@
 """`deltafuse bench ops`: forward and forward+backward time and peak memory of every op deltafuse routes.
 
-For each op and shape it times deltafuse's public op (whatever the registry selects for the call, named in
-the table), stock transformers' torch fallback (the function the Qwen3.5 modeling module falls back to when no
-kernel package is installed), and flash-linear-attention / causal-conv1d when installed. Liger-Kernel has no
-gated-delta-rule or causal-conv1d kernel, so it has no column here. Inputs are random (never zeros).
+For each op in deltafuse's registry it times deltafuse's public op (whatever the registry selects for the
+call, named in the table) against the stock transformers code that computes the same thing in the Qwen3.5
+models, and against Liger-Kernel (on CUDA, when ``liger_kernel`` imports) and flash-linear-attention /
+causal-conv1d (on CUDA, when installed) where they have a kernel for the op:
+
+* GDN ops: transformers' torch fallbacks (``torch_chunk_gated_delta_rule`` ...), at ``--shape`` B,T,H,HV,D.
+* ``rms_norm_zero_centered`` / ``rms_norm_gated``: ``Qwen3_5RMSNorm.forward`` / ``Qwen3_5RMSNormGated.forward``.
+* ``apply_rotary_pos_emb``: the modeling module's ``apply_rotary_pos_emb`` (partial RoPE).
+* ``swiglu``: the MLP's ``act_fn(gate) * up``.
+* ``fused_linear_cross_entropy``: ``lm_head`` (``F.linear``) then transformers' ``ForCausalLMLoss``.
+* ``moe_experts``: ``Qwen3_5MoeExperts`` with the ``grouped_mm`` and the eager experts forward.
+
+These run at ``Sizes`` (``deltafuse/bench/cases.py``): Qwen3.5-35B-A3B at ``--tokens`` tokens on CUDA, a small
+model of the same structure on CPU. Inputs are random (never zeros).
 On CUDA: ``triton.testing.do_bench`` (median) when Triton is there, else CUDA events; peak memory is
 ``max_memory_allocated`` above what the inputs hold. On CPU: a plain ``perf_counter`` median; memory is not
 measured. Each row also gives the largest absolute difference of the forward output from deltafuse's.
@@ -19,12 +29,31 @@ import time
 
 import torch
 
+from deltafuse.bench import cases
+from deltafuse.bench.cases import CPU_SIZES, QWEN35_35B_A3B, Sizes, rope_cos_sin
 from deltafuse.train.errors import TrainInputError
 
-OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
+GDN_OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
+           "causal_conv1d_update")
 CPU_SHAPES = ("1,512,4,8,32",)
 GPU_SHAPES = ("1,4096,16,32,128", "1,16384,16,32,128", "8,2048,16,32,128", "1,65536,16,32,128")
 CONV_WIDTH = 4
+GPU_TOKENS = QWEN35_35B_A3B.tokens
+CPU_TOKENS = CPU_SIZES.tokens
+# ops Liger-Kernel has a kernel for (compared on CUDA)
+LIGER_OPS = ("rms_norm_zero_centered", "apply_rotary_pos_emb", "swiglu", "fused_linear_cross_entropy")
+# inputs that never get a gradient (states the ops read, RoPE's tables)
+NO_GRAD = ("conv_state", "initial_state", "cos", "sin")
+
+
+def routed_ops() -> tuple[str, ...]:
+    """Every op deltafuse's registry routes, in registration order."""
+    from deltafuse import backends
+
+    return tuple(backends.REGISTRY.ops)
+
+
+OPS = routed_ops()
 
 
 def _shape(text: str) -> tuple[int, int, int, int, int]:
@@ -60,6 +89,63 @@ def make_inputs(op: str, shape, dtype, device, seed: int = 0) -> dict:
         return {"x": rnd(B, C, T), "weight": rnd(C, CONV_WIDTH, scale=0.5), "bias": rnd(C, scale=0.1)}
     return {"x": rnd(B, C, 1), "conv_state": rnd(B, C, CONV_WIDTH), "weight": rnd(C, CONV_WIDTH, scale=0.5),
             "bias": rnd(C, scale=0.1)}
+
+
+# Ops timed at model sizes (``Sizes``), with the names of the dimensions their "shape" lists.
+SIZED_DIMS = {
+    "rms_norm_zero_centered": "N,D",
+    "rms_norm_gated": "N*HV,Dv",
+    "apply_rotary_pos_emb": "B,HQ,HK,T,D,rotary_dim",
+    "swiglu": "N,I",
+    "fused_linear_cross_entropy": "B,T,H,V",
+    "moe_experts": "N,H,E,k,I",
+}
+
+
+def sized_shape(op: str, s: Sizes) -> list[int]:
+    """The dimensions (named by ``SIZED_DIMS[op]``) of ``op``'s case at sizes ``s``."""
+    N = s.tokens
+    return {"rms_norm_zero_centered": [N, s.hidden],
+            "rms_norm_gated": [N * s.linear_value_heads, s.linear_value_head_dim],
+            "apply_rotary_pos_emb": [1, s.q_heads, s.kv_heads, N, s.head_dim, s.rotary_dim],
+            "swiglu": [N, s.shared_expert_intermediate],
+            "fused_linear_cross_entropy": [1, N, s.hidden, s.vocab],
+            "moe_experts": [N, s.hidden, s.num_experts, s.experts_per_token, s.moe_intermediate]}[op]
+
+
+def make_sized_inputs(op: str, s: Sizes, dtype, device, seed: int = 0) -> dict:
+    """Inputs of ``op`` as the Qwen3.5 layers hand them over, at sizes ``s`` (random, drawn on ``device``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    N = s.tokens
+
+    def rnd(*size, scale=1.0, shift=0.0, dt=dtype):
+        t = torch.randn(*size, generator=gen, device=device, dtype=torch.float32)
+        return (t * scale + shift).to(dt)
+
+    if op == "rms_norm_zero_centered":  # input/post-attention/final norm over the hidden size
+        return {"x": rnd(N, s.hidden, scale=2.0), "weight": rnd(s.hidden, scale=0.1)}
+    if op == "rms_norm_gated":  # the GDN output norm, one row per token and value head
+        rows, D = N * s.linear_value_heads, s.linear_value_head_dim
+        return {"x": rnd(rows, D), "gate": rnd(rows, D, scale=2.0), "weight": rnd(D, scale=0.1, shift=1.0)}
+    if op == "apply_rotary_pos_emb":  # q/k in transformers' [B, H, T, D] view of the projections' [B, T, H, D]
+        cos, sin = rope_cos_sin(N, s.rotary_dim, device, dtype)
+        return {"q": rnd(1, N, s.q_heads, s.head_dim).transpose(1, 2),
+                "k": rnd(1, N, s.kv_heads, s.head_dim).transpose(1, 2), "cos": cos, "sin": sin}
+    if op == "swiglu":  # the shared expert's (and dense MLP's) gate_proj(x), up_proj(x)
+        return {"gate": rnd(N, s.shared_expert_intermediate, scale=2.0), "up": rnd(N, s.shared_expert_intermediate)}
+    if op == "fused_linear_cross_entropy":  # final hidden states, a trainable lm_head, labels with some ignored
+        labels = torch.randint(0, s.vocab, (1, N), generator=gen, device=device)
+        labels[:, ::13] = -100
+        return {"hidden": rnd(1, N, s.hidden), "weight": rnd(s.vocab, s.hidden, scale=s.hidden ** -0.5),
+                "labels": labels}
+    if op == "moe_experts":  # router output of a softmax top-k router, renormalised, in the model dtype
+        probs = torch.randn(N, s.num_experts, generator=gen, device=device).softmax(-1)
+        top_w, top_i = probs.topk(s.experts_per_token, dim=-1)
+        return {"hidden": rnd(N, s.hidden), "top_k_index": top_i,
+                "top_k_weights": (top_w / top_w.sum(-1, keepdim=True)).to(dtype),
+                "gate_up_proj": rnd(s.num_experts, 2 * s.moe_intermediate, s.hidden, scale=s.hidden ** -0.5),
+                "down_proj": rnd(s.num_experts, s.hidden, s.moe_intermediate, scale=s.moe_intermediate ** -0.5)}
+    raise KeyError(op)
 
 
 # --- implementations ---------------------------------------------------------------------------------
@@ -153,10 +239,132 @@ def implementations(op: str, device: torch.device, fla_unguarded: bool) -> list[
     return impls
 
 
+def _stock(fn):
+    """The stock code under deltafuse's patch wrapper (when one is applied) and transformers' decorators."""
+    while True:
+        inner = getattr(fn, "__deltafuse_wraps__", None) or getattr(fn, "__wrapped__", None)
+        if inner is None:
+            return fn
+        fn = inner
+
+
+def _holder(cls, *args, params=("weight",)):
+    """An instance of the stock module ``cls`` (built on the meta device) whose parameters ``params`` are
+    plain attributes, so every call can hand it the benchmark's tensors (and their gradients)."""
+    with torch.device("meta"):
+        module = cls(*args)
+    for name in params:
+        delattr(module, name)
+    return module
+
+
+def _liger(make, *args):
+    """Liger's implementation from ``make(*args)``, or the reason it is not there."""
+    try:
+        return make(*args), ""
+    except Exception as exc:  # not installed or broken: said in the output, not fatal
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+
+
+def sized_implementations(op: str, s: Sizes, device: torch.device) -> list[tuple[str, object, str]]:
+    """(name, callable(inputs) -> output tensor or tuple, note) of every implementation of a ``SIZED_DIMS`` op."""
+    import deltafuse.ops as dops
+
+    from deltafuse.backends import probes
+
+    hf = _stock_module()
+    liger = device.type == "cuda" and probes.import_error("liger_kernel") is None  # a row only when it imports
+    impls = []
+    if op == "rms_norm_zero_centered":
+        impls.append(("deltafuse", lambda t: dops.rms_norm_zero_centered(t["x"], t["weight"], s.eps), ""))
+        norm, forward = _holder(hf.Qwen3_5RMSNorm, s.hidden, s.eps), _stock(hf.Qwen3_5RMSNorm.forward)
+
+        def stock_norm(t):
+            norm.weight = t["weight"]
+            return forward(norm, t["x"])
+
+        impls.append(("transformers Qwen3_5RMSNorm", stock_norm, ""))
+        if liger:
+            lnorm, why = _liger(cases.liger_rms_norm, s.hidden, s.eps)
+            if lnorm is not None:
+                del lnorm.weight  # set per call, as for the stock module
+
+            def liger_norm(t):
+                lnorm.weight = t["weight"]
+                return lnorm(t["x"])
+
+            impls.append(("liger LigerRMSNorm", lnorm and liger_norm, why))
+    elif op == "rms_norm_gated":
+        impls.append(("deltafuse", lambda t: dops.rms_norm_gated(t["x"], t["gate"], t["weight"], s.eps), ""))
+        gnorm = _holder(hf.Qwen3_5RMSNormGated, s.linear_value_head_dim, s.eps)
+        forward = _stock(hf.Qwen3_5RMSNormGated.forward)
+
+        def stock_gated(t):
+            gnorm.weight = t["weight"]
+            return forward(gnorm, t["x"], t["gate"])
+
+        impls.append(("transformers Qwen3_5RMSNormGated", stock_gated, ""))
+    elif op == "apply_rotary_pos_emb":
+        impls.append(("deltafuse", lambda t: dops.apply_rotary_pos_emb(t["q"], t["k"], t["cos"], t["sin"]), ""))
+        rope = _stock(hf.apply_rotary_pos_emb)
+        impls.append(("transformers apply_rotary_pos_emb", lambda t: rope(t["q"], t["k"], t["cos"], t["sin"]), ""))
+        if liger:
+            lrope, why = _liger(cases.liger_partial_rope, s.rotary_dim)
+            impls.append(("liger rotary slice + cat", lrope and (lambda t: lrope(t["q"], t["k"], t["cos"], t["sin"])),
+                          why))
+    elif op == "swiglu":
+        from transformers.activations import ACT2FN
+
+        act = ACT2FN["silu"]  # the Qwen3.5 MLPs' act_fn (hidden_act "silu")
+        impls.append(("deltafuse", lambda t: dops.swiglu(t["gate"], t["up"]), ""))
+        impls.append(("transformers act_fn(gate) * up", lambda t: act(t["gate"]) * t["up"], ""))
+        if liger:
+            lswiglu, why = _liger(cases.liger_swiglu)
+            impls.append(("liger LigerSiLUMulFunction", lswiglu and (lambda t: lswiglu(t["gate"], t["up"])), why))
+    elif op == "fused_linear_cross_entropy":
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        impls.append(("deltafuse", lambda t: dops.fused_linear_cross_entropy(t["hidden"], t["weight"], t["labels"]),
+                      ""))
+        impls.append(("transformers lm_head + ForCausalLMLoss", lambda t: ForCausalLMLoss(
+            torch.nn.functional.linear(t["hidden"], t["weight"]), t["labels"], s.vocab), ""))
+        if liger:
+            lce, why = _liger(cases.liger_fused_linear_cross_entropy)
+            impls.append(("liger LigerFusedLinearCrossEntropyLoss",
+                          lce and (lambda t: lce(t["hidden"], t["weight"], t["labels"])), why))
+    elif op == "moe_experts":
+        from transformers.integrations.moe import grouped_mm_experts_forward
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        impls.append(("deltafuse", lambda t: dops.moe_experts(t["hidden"], t["top_k_index"], t["top_k_weights"],
+                                                              t["gate_up_proj"], t["down_proj"]), ""))
+        config = Qwen3_5MoeTextConfig(hidden_size=s.hidden, moe_intermediate_size=s.moe_intermediate,
+                                      num_experts=s.num_experts, num_experts_per_tok=s.experts_per_token)
+        experts = _holder(hf_moe.Qwen3_5MoeExperts, config, params=("gate_up_proj", "down_proj"))
+
+        def stock_experts(forward):
+            def call(t):
+                experts.gate_up_proj, experts.down_proj = t["gate_up_proj"], t["down_proj"]
+                return forward(experts, t["hidden"], t["top_k_index"], t["top_k_weights"])
+
+            return call
+
+        impls.append(("transformers experts grouped_mm", stock_experts(grouped_mm_experts_forward), ""))
+        impls.append(("transformers experts eager", stock_experts(_stock(hf_moe.Qwen3_5MoeExperts.forward)), ""))
+    else:
+        raise KeyError(op)
+    return impls
+
+
+def _first_float(inputs: dict) -> torch.Tensor:
+    return next(t for t in inputs.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
 def selected_backend(op: str, inputs: dict, needs_grad: bool) -> str:
     from deltafuse import backends
 
-    first = inputs.get("q", inputs.get("x"))
+    first = _first_float(inputs)
     call = backends.CallInfo(first.device, first.dtype, needs_grad)
     chosen = [d.candidate for d in backends.REGISTRY.explain(op, call, backends.current_backend()) if d.chosen]
     return chosen[0] if chosen else "none"
@@ -205,46 +413,76 @@ def peak_mem(fn, device: torch.device) -> int | None:
 def _with_grad(inputs: dict) -> dict:
     out = {}
     for key, t in inputs.items():
-        if t is not None and t.is_floating_point() and key not in ("conv_state", "initial_state"):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and key not in NO_GRAD:
             t = t.detach().clone().requires_grad_(True)
         out[key] = t
     return out
 
 
-def bench_one(op: str, shape, dtype, device, reps: int, fla_unguarded: bool) -> list[dict]:
-    inputs = make_inputs(op, shape, dtype, device)
+def _as_tuple(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+
+
+def case_of(op: str, shape, sizes: Sizes, dtype, device):
+    """(dims, shape, inputs, implementations) of ``op``: GDN ops at ``shape``, the others at ``sizes``."""
+    if op in GDN_OPS:
+        return "B,T,H,HV,D", list(shape), make_inputs(op, shape, dtype, device), None
+    if op in SIZED_DIMS:
+        return SIZED_DIMS[op], sized_shape(op, sizes), make_sized_inputs(op, sizes, dtype, device), \
+            sized_implementations(op, sizes, device)
+    return None, [], None, None
+
+
+def bench_one(op: str, shape, dtype, device, reps: int, fla_unguarded: bool, sizes: Sizes | None = None) -> list[dict]:
+    sizes = sizes or CPU_SIZES
+    dims, dims_shape, inputs, impls = case_of(op, shape, sizes, dtype, device)
+    base = {"op": op, "dims": dims or "-", "shape": dims_shape, "dtype": str(dtype).replace("torch.", "")}
+    if inputs is None:  # an op registered after this benchmark was written
+        return [{**base, "impl": "deltafuse", "note": "",
+                 "error": "bench ops has no case for this op; nothing timed"}]
+    if impls is None:
+        impls = implementations(op, device, fla_unguarded)
     rows = []
     reference = None
-    for name, call, note in implementations(op, device, fla_unguarded):
-        row = {"op": op, "shape": list(shape), "dtype": str(dtype).replace("torch.", ""), "impl": name,
-               "note": note}
+    for name, call, note in impls:
+        row = {**base, "impl": name, "note": note}
+        if call is None:
+            row["error"] = f"not available: {note}"
+            row["note"] = ""
+            rows.append(row)
+            continue
         if name == "deltafuse":
             row["impl"] = f"deltafuse ({selected_backend(op, inputs, False)} fwd, " \
                           f"{selected_backend(op, inputs, True)} fwd+bwd)"
         try:
             with torch.no_grad():
-                out = call(inputs)
+                out = _as_tuple(call(inputs))
                 row["fwd_ms"] = time_ms(lambda: call(inputs), device, reps)
                 row["fwd_mem_bytes"] = peak_mem(lambda: call(inputs), device)
             if reference is None:
-                reference = out.float()
-            row["max_abs_diff"] = float((out.float() - reference).abs().max())
+                reference = [o.float() for o in out]
+            row["max_abs_diff"] = max(float((o.float() - r).abs().max()) for o, r in zip(out, reference))
         except Exception as exc:  # a kernel that cannot serve this shape/device: say why in its row
-            row["error"] = f"fwd: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            row["error"] = "fwd: " + _error(exc)
             rows.append(row)
             continue
         try:
             ginputs = _with_grad(inputs)
-            leaves = [t for t in ginputs.values() if t is not None and t.requires_grad]
-            grad_out = torch.randn_like(out)
+            leaves = [t for t in ginputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+            grad_out = [torch.randn_like(o) for o in out]
+            del out
 
             def fwd_bwd():
-                call(ginputs).backward(grad_out)
+                torch.autograd.backward(_as_tuple(call(ginputs)), grad_out)
 
             row["fwd_bwd_ms"] = time_ms(fwd_bwd, device, reps, grad_to_none=leaves)
             row["fwd_bwd_mem_bytes"] = peak_mem(fwd_bwd, device)
         except Exception as exc:
-            row["bwd_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            row["bwd_error"] = _error(exc)
         rows.append(row)
     return rows
 
@@ -258,12 +496,14 @@ def _mib(x) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ["op", "B,T,H,HV,D", "dtype", "implementation", "fwd ms", "fwd+bwd ms", "fwd MiB", "fwd+bwd MiB",
+    head = ["op", "shape", "dtype", "implementation", "fwd ms", "fwd+bwd ms", "fwd MiB", "fwd+bwd MiB",
             "max |diff|", "note"]
     lines = []
     for r in rows:
         note = r.get("error") or (("bwd: " + r["bwd_error"]) if r.get("bwd_error") else "") or r.get("note", "")
-        lines.append([r["op"], ",".join(map(str, r["shape"])), r["dtype"], r["impl"], _ms(r.get("fwd_ms")),
+        shape = ",".join(map(str, r["shape"]))
+        shape = f"{r['dims']}={shape}" if r.get("dims", "-") != "-" else shape
+        lines.append([r["op"], shape, r["dtype"], r["impl"], _ms(r.get("fwd_ms")),
                       _ms(r.get("fwd_bwd_ms")), _mib(r.get("fwd_mem_bytes")), _mib(r.get("fwd_bwd_mem_bytes")),
                       f"{r['max_abs_diff']:.2e}" if "max_abs_diff" in r else "-", note])
     widths = [max(len(x[i]) for x in lines + [head]) for i in range(len(head))]
@@ -276,13 +516,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from deltafuse.train.cli import _int_at_least
 
     parser.description = ("Per-op forward and forward+backward time (median) and peak memory of every op "
-                          "deltafuse routes: deltafuse's selected implementation vs stock transformers' torch "
-                          "fallback vs flash-linear-attention / causal-conv1d when installed.")
-    parser.add_argument("--op", action="append", choices=OPS, default=None,
-                        help="op to time (repeatable; default: all)")
+                          "deltafuse routes: deltafuse's selected implementation vs the stock transformers code "
+                          "for the same computation, vs Liger-Kernel / flash-linear-attention / causal-conv1d "
+                          "(on CUDA, when installed) where they have the op.")
+    parser.add_argument("--op", action="append", choices=routed_ops(), default=None,
+                        help="op to time (repeatable; default: every op in deltafuse's registry)")
     parser.add_argument("--shape", action="append", type=_shape, default=None, metavar="B,T,H,HV,D",
-                        help=f"shape (repeatable; default: {' '.join(CPU_SHAPES)} on CPU, the DESIGN.md "
-                             f"reference shapes {' '.join(GPU_SHAPES)} on CUDA)")
+                        help=f"shape of the GDN and conv ops ({', '.join(GDN_OPS)}) (repeatable; default: "
+                             f"{' '.join(CPU_SHAPES)} on CPU, the DESIGN.md reference shapes "
+                             f"{' '.join(GPU_SHAPES)} on CUDA)")
+    parser.add_argument("--tokens", metavar="N", type=_int_at_least(2), default=None,
+                        help=f"tokens of the other ops' cases ({', '.join(SIZED_DIMS)}) (default: {GPU_TOKENS} "
+                             f"at Qwen3.5-35B-A3B sizes on CUDA, {CPU_TOKENS} at small sizes on CPU)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                         help="input dtype (default auto: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -310,15 +555,17 @@ def run_ops(args) -> list[dict]:
         raise TrainInputError(f"--device {args.device!r}: allowed: auto, cpu, cuda, cuda:N")
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     shapes = args.shape or [_shape(s) for s in (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)]
+    base_sizes = QWEN35_35B_A3B if device.type == "cuda" else CPU_SIZES
+    sizes = base_sizes.with_tokens(args.tokens) if getattr(args, "tokens", None) else base_sizes
     if args.output and os.path.isdir(args.output):
         raise TrainInputError(f"--output {args.output!r} is a directory; pass a JSON file path")
     rows = []
-    for op in args.op or OPS:
-        for shape in shapes:
-            got = bench_one(op, shape, dtype, device, args.reps, args.fla_unguarded)
+    for op in args.op or routed_ops():
+        for shape in (shapes if op in GDN_OPS else [None]):
+            got = bench_one(op, shape, dtype, device, args.reps, args.fla_unguarded, sizes)
             rows += got
             for r in got:
-                print(f"{op} {','.join(map(str, shape))} {r['impl']}: fwd {_ms(r.get('fwd_ms'))} ms, "
+                print(f"{op} {r['dims']}={','.join(map(str, r['shape']))} {r['impl']}: fwd {_ms(r.get('fwd_ms'))} ms, "
                       f"fwd+bwd {_ms(r.get('fwd_bwd_ms'))} ms" + (f" ({r['error']})" if r.get("error") else ""),
                       flush=True)
             if device.type == "cuda":
@@ -328,14 +575,20 @@ def run_ops(args) -> list[dict]:
           f"{str(dtype).replace('torch.', '')}, timer: {timer}; memory: "
           f"{'peak allocated above the inputs' if device.type == 'cuda' else 'not measured on CPU'}")
     print(format_table(rows))
+    print(f"sizes of the non-GDN ops: {'Qwen3.5-35B-A3B' if device.type == 'cuda' else 'small CPU model'} "
+          f"{sizes}")
     from deltafuse.backends import probes
 
-    liger = probes.package_version("liger-kernel")
-    if liger:
-        print(f"Liger-Kernel {liger} is installed; it has no gated-delta-rule or causal-conv1d kernel to compare")
+    if device.type == "cuda":
+        liger = probes.package_version("liger-kernel")
+        print(f"Liger-Kernel {liger}: " if liger else "Liger-Kernel is not installed; ", end="")
+        print(f"it has no kernel for {', '.join(o for o in routed_ops() if o not in LIGER_OPS)}")
+    else:
+        print("Liger-Kernel, flash-linear-attention and causal-conv1d are compared on CUDA only")
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as fh:
-            json.dump({"device": str(device), "dtype": str(dtype), "timer": timer, "rows": rows}, fh, indent=2)
+            json.dump({"device": str(device), "dtype": str(dtype), "timer": timer, "sizes": sizes.__dict__,
+                       "rows": rows}, fh, indent=2)
         print(f"wrote {args.output}")
     return rows

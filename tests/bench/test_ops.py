@@ -4,24 +4,40 @@ from __future__ import annotations
 
 import json
 
+from deltafuse.backends import REGISTRY
 from deltafuse.bench.cli import main
-from deltafuse.bench.ops import OPS
 
 
-def test_bench_ops_times_every_routed_op_and_outputs_agree(tmp_path, capsys):
+def test_bench_ops_times_every_registry_op_against_stock_and_outputs_agree(tmp_path, capsys):
     path = tmp_path / "ops.json"
-    assert main(["ops", "--shape", "1,80,2,4,16", "--reps", "1", "--output", str(path)]) == 0
+    assert main(["ops", "--shape", "1,80,2,4,16", "--tokens", "32", "--reps", "1", "--output", str(path)]) == 0
     text = capsys.readouterr().out
     rows = json.loads(path.read_text())["rows"]
-    assert {r["op"] for r in rows} == set(OPS)
-    for op in OPS:
+    assert {r["op"] for r in rows} == set(REGISTRY.ops)
+    for op in REGISTRY.ops:
         impls = [r for r in rows if r["op"] == op]
-        assert impls[0]["impl"].startswith("deltafuse (") and impls[1]["impl"] == "transformers torch"
+        assert impls[0]["impl"].startswith("deltafuse ("), impls
+        assert any(r["impl"].startswith("transformers") for r in impls[1:]), impls  # the stock counterpart
+        assert all(r["impl"].startswith(("deltafuse (", "transformers")) for r in impls), impls  # no CUDA here
         for r in impls:
-            assert "error" not in r, r
+            assert "error" not in r and "bwd_error" not in r, r
             assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
             assert r["max_abs_diff"] < 1e-4, r  # stock and deltafuse compute the same function
-    assert "| chunk_gated_delta_rule" in text and "not measured on CPU" in text
+    sized = [r for r in rows if r["op"] == "fused_linear_cross_entropy"]
+    assert sized[0]["dims"] == "B,T,H,V" and sized[0]["shape"][1] == 32  # --tokens reaches the sized cases
+    assert "| chunk_gated_delta_rule" in text and "| moe_experts" in text and "not measured on CPU" in text
+
+
+def test_bench_ops_op_choices_are_the_registry(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["ops", "--op", "no_such_op"])
+    err = capsys.readouterr().err
+    assert "--op" in err and all(op in err for op in REGISTRY.ops)
+    with pytest.raises(SystemExit):
+        main(["ops", "--tokens", "1"])
+    assert "--tokens" in capsys.readouterr().err
 
 
 def test_bench_ops_bad_shape_and_device(capsys):

@@ -187,6 +187,12 @@ GPU_CASES = [
     ("extremes", (2, 200, 16, 32, 128, 128), dict(h0=True, l2=True, g_mode="strong", beta_mode="extreme")),
     ("g_tiny", (1, 300, 16, 32, 128, 128), dict(h0=True, l2=True, g_mode="tiny")),
     ("HV_eq_H_K64_nol2", (1, 200, 8, 8, 64, 64), dict(h0=True, l2=False)),
+    # head sizes under 64 (the tiny test models use 16): these once compiled to wrong results / illegal
+    # memory accesses with 4-8 warps
+    ("K16_V16_varlen", (1, 300, 2, 4, 16, 16), dict(h0=True, l2=True, cu=[0, 7, 20, 21, 150, 300])),
+    ("K32_V64", (2, 130, 2, 4, 32, 64), dict(h0=False, l2=True)),
+    ("K64_V32", (1, 200, 2, 2, 64, 32), dict(h0=True, l2=True)),
+    ("K128_V16", (1, 100, 1, 2, 128, 16), dict(h0=True, l2=True)),
 ]
 
 
@@ -205,13 +211,15 @@ def test_chunk_fp16_gpu():
 
 @gpu
 @needs_cuda
-def test_chunk_fp32_gpu():
-    check_chunk(1, 300, 2, 8, 128, 128, dtype=torch.float32, tol_o=1e-4, tol_grad=1e-4, tol_gb=1e-4, h0=True,
+@pytest.mark.parametrize("K,V", [(128, 128), (16, 16)])
+def test_chunk_fp32_gpu(K, V):
+    check_chunk(1, 300, 2, 8, K, V, dtype=torch.float32, tol_o=1e-4, tol_grad=1e-4, tol_gb=1e-4, h0=True,
                 l2=True, cu=[0, 1, 100, 300])
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("T,cu", [(1, None), (4, None), (9, [0, 1, 5, 9])])
-def test_recurrent_bf16_gpu(T, cu):
-    _check_recurrent(1 if cu else 2, T, 16, 32, 128, 128, dtype=torch.bfloat16, tol=3e-3, cu=cu)
+@pytest.mark.parametrize("K,V", [(128, 128), (16, 16), (32, 64)])
+def test_recurrent_bf16_gpu(T, cu, K, V):
+    _check_recurrent(1 if cu else 2, T, 16, 32, K, V, dtype=torch.bfloat16, tol=3e-3, cu=cu)

@@ -567,7 +567,11 @@ class _Cfg:
         vmax = max(16, triton.next_power_of_2(V))
         names = ("intra", "state", "dvl", "wy", "bo")
         self.bv = {n: min(vmax, 16 if interp else OPTIONS["bv_" + n]) for n in names}
-        self.nw = {n: 1 if interp else OPTIONS["warps_" + n] for n in names}
+        # Head sizes under 64 (tiles of 16 or 32 columns) gave wrong outputs with 8 warps and illegal memory
+        # accesses with 4 on the H200 (Triton 3.6); 2 warps are correct there (BENCHMARKS.md, small heads).
+        small = min(self.BK, vmax) < 64
+        self.nw = {n: 1 if interp else (min(2, OPTIONS["warps_" + n]) if small else OPTIONS["warps_" + n])
+                   for n in names}
         self.stages = 1 if interp else OPTIONS["stages"]
         # fp32 states in the reverse pass need the shared memory that load pipelining would take
         self.stages_state = 1 if (interp or (which == "bwd" and self.store == torch.float32)) else self.stages

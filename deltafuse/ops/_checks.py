@@ -42,6 +42,25 @@ def values_checkable(t: torch.Tensor) -> bool:
         "1", "true", "yes", "on")
 
 
+_HOST = "_deltafuse_host_offsets"
+
+
+def remember_host_offsets(cu: torch.Tensor, values) -> torch.Tensor:
+    """Attach the host-side copy of an offsets tensor's values (known to whoever built it), so that ops
+    reading them do not copy them back from the accelerator (a synchronisation per call). Returns ``cu``."""
+    setattr(cu, _HOST, (cu._version, tuple(int(v) for v in values)))
+    return cu
+
+
+def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
+    """The values of a 1-D offsets tensor as Python ints: the attached copy while the tensor is unchanged,
+    else read from the tensor (which waits for the accelerator)."""
+    known = getattr(cu, _HOST, None)
+    if known is not None and known[0] == cu._version and len(known[1]) == cu.numel():
+        return known[1]
+    return tuple(int(x) for x in cu.tolist())
+
+
 def cu_seqlens(cu: torch.Tensor, batch: int, total: int) -> int:
     """Validate cu_seqlens for a [1, total, ...] packed batch; returns the number of sequences."""
     if not isinstance(cu, torch.Tensor):
@@ -52,8 +71,8 @@ def cu_seqlens(cu: torch.Tensor, batch: int, total: int) -> int:
         fail(f"cu_seqlens must hold at least 2 offsets (0 and T), got {cu.numel()}")
     if batch != 1:
         fail(f"cu_seqlens needs the batch dimension to be 1 (sequences packed along T), got B={batch}")
-    if values_checkable(cu):
-        vals = cu.tolist()
+    if values_checkable(cu) or getattr(cu, _HOST, None) is not None:
+        vals = list(host_offsets(cu))
         if vals[0] != 0:
             fail(f"cu_seqlens must start at 0, got {vals[0]}")
         if any(b <= a for a, b in zip(vals, vals[1:])):

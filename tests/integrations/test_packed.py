@@ -160,6 +160,12 @@ def test_packing_from_position_ids():
     assert p.cu_seqlens.tolist() == [0, 3, 4, 6, 12]
     assert p.seq_idx.tolist() == [[0, 0, 0, 1, 2, 2], [3, 3, 3, 3, 3, 3]]
     assert p.positions().tolist() == [[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5]]
+    # the offsets' host copy travels with the tensor (the GDN kernels plan from it without a device read)
+    from deltafuse.ops._checks import host_offsets
+
+    assert host_offsets(p.cu_seqlens) == (0, 3, 4, 6, 12)
+    p.cu_seqlens[1] = 2  # an in-place change invalidates the copy
+    assert host_offsets(p.cu_seqlens) == (0, 2, 4, 6, 12)
     # one sequence per row (and [1, T] broadcast, [4, B, T] multimodal positions): nothing to separate
     assert adapters.packing_from_position_ids(torch.arange(6)[None], 2, 6) is None
     assert adapters.packing_from_position_ids(torch.arange(6).expand(4, 2, 6), 2, 6) is None

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from deltafuse import ops
+from deltafuse.ops._checks import remember_host_offsets
 
 # Keyword under which the text-model wrapper hands the boundaries to the GDN layers. It travels in the
 # decoder layers' **kwargs (recomputed with them under gradient checkpointing, never global state); the
@@ -92,6 +93,8 @@ def packing_from_starts(starts: torch.Tensor) -> Packing | None:
     seq_idx = (flat.to(torch.int64).cumsum(0) - 1).view(B, T)
     end = torch.tensor([B * T], device=offsets.device, dtype=offsets.dtype)
     cu_seqlens = torch.cat([offsets, end]).to(torch.int32)
+    # nonzero() above already waited for the device: keep a host copy so that no layer reads it back again
+    remember_host_offsets(cu_seqlens, offsets.tolist() + [B * T])
     return Packing(seq_idx, cu_seqlens, B, T)
 
 

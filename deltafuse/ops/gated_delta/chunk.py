@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltafuse.ops._checks import host_offsets
+
 BT = 64  # chunk length; the in-chunk inverse below is written for 4 blocks of 16
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -523,7 +525,7 @@ _PLANS: dict = {}
 
 def _plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Plan:
     """Chunk tables, cached by sequence layout (they depend on lengths only, never on values)."""
-    bounds = tuple(range(0, (B + 1) * T, T)) if cu_seqlens is None else tuple(int(x) for x in cu_seqlens.tolist())
+    bounds = tuple(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_offsets(cu_seqlens)
     key = (bounds, str(device))
     plan = _PLANS.get(key)
     if plan is None:

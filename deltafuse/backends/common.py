@@ -51,10 +51,14 @@ def triton_auto_skip(call: CallInfo) -> str | None:
     return None
 
 
-def triton_unverified_on_gpu(call: CallInfo) -> str | None:
-    """auto_skip for Triton kernels whose GPU test run has not passed yet: they serve only when forced."""
-    return ("not yet verified on a GPU (its bf16 GPU tests have not passed); serves only when forced "
-            "with backend='triton'")
+def triton_forced_only(reason: str):
+    """auto_skip for a Triton kernel that is correct but not the best choice anywhere (``reason`` says why,
+    with the measurement): it serves only when forced with backend='triton'."""
+
+    def skip(call: CallInfo) -> str | None:
+        return f"{reason}; serves only when forced with backend='triton'"
+
+    return skip
 
 
 # --- Ascend NPU (torch_npu) -------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deltafuse.backends.common import (load_attr, torch_supports, triton_available, triton_supports,
-                                       triton_unverified_on_gpu)
+                                       triton_auto_skip)
 from deltafuse.backends.registry import Candidate, Registry
 
 CONV = "causal_conv1d_fn"
@@ -15,7 +15,7 @@ REFERENCE = "deltafuse.ops.conv1d.reference"
 def register(registry: Registry) -> None:
     registry.register(CONV, Candidate(
         "triton", load_attr(KERNEL, "causal_conv1d_fn_triton"), triton_available(KERNEL), triton_supports,
-        auto_skip=triton_unverified_on_gpu, note="deltafuse's Triton causal conv1d + SiLU with sequence resets (fwd+bwd)"))
+        auto_skip=triton_auto_skip, note="deltafuse's Triton causal conv1d + SiLU with sequence resets (fwd+bwd)"))
     registry.register(CONV, Candidate("torch", load_attr(REFERENCE, "causal_conv1d_fn_torch"),
                                       supports=torch_supports,
                                       note="deltafuse's boundary-aware torch conv (any device)"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deltafuse.backends.common import (load_attr, torch_supports, triton_available, triton_supports,
-                                       triton_unverified_on_gpu)
+                                       triton_auto_skip)
 from deltafuse.backends.registry import Candidate, Registry
 
 FUSED_LINEAR_CROSS_ENTROPY = "fused_linear_cross_entropy"
@@ -13,7 +13,7 @@ KERNEL = "deltafuse.ops.cross_entropy.kernel"
 def register(registry: Registry) -> None:
     registry.register(FUSED_LINEAR_CROSS_ENTROPY, Candidate(
         "triton", load_attr(KERNEL, "fused_linear_cross_entropy_triton"), triton_available(KERNEL), triton_supports,
-        auto_skip=triton_unverified_on_gpu,
+        auto_skip=triton_auto_skip,
         note="chunked head projection (cuBLAS) + deltafuse's Triton softmax/gradient written over the logits "
              "in place; no [tokens, vocab] tensor"))
     registry.register(FUSED_LINEAR_CROSS_ENTROPY, Candidate(

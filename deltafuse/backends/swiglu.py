@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deltafuse.backends.common import (NPU_UNVERIFIED, load_attr, npu_available, npu_supports,
                                        torch_supports, triton_available, triton_supports,
-                                       triton_unverified_on_gpu)
+                                       triton_forced_only)
 from deltafuse.backends.registry import Candidate, Registry
 
 SWIGLU = "swiglu"
@@ -14,7 +14,10 @@ KERNEL = "deltafuse.ops.swiglu.kernel"
 def register(registry: Registry) -> None:
     registry.register(SWIGLU, Candidate(
         "triton", load_attr(KERNEL, "swiglu_triton"), triton_available(KERNEL), triton_supports,
-        auto_skip=triton_unverified_on_gpu, note="deltafuse's fused Triton silu(gate) * up (fwd+bwd)"))
+        auto_skip=triton_forced_only(
+            "slower than transformers' torch formula on the H200 (fwd+bwd 0.28x at the shared expert and 0.44x "
+            "at the routed experts' sizes, 4096 tokens; BENCHMARKS.md)"),
+         note="deltafuse's fused Triton silu(gate) * up (fwd+bwd)"))
     registry.register(SWIGLU, Candidate(
         "npu", load_attr("deltafuse.ops.swiglu.npu", "swiglu_npu"), npu_available("npu_swiglu"), npu_supports,
         verified=False, note="torch_npu.npu_swiglu on cat(gate, up); " + NPU_UNVERIFIED))

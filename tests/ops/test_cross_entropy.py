@@ -456,9 +456,10 @@ def test_patched_tiny_models_equal_stock_loss_and_every_gradient(name, monkeypat
 
 
 def test_default_chunk_size_rule():
-    """chunk * V ~ tokens * H (power of two), at least 64 tokens, at least 1,024 with a trainable head."""
+    """chunk * V ~ tokens * H (power of two), at least 256 tokens, at least 1,024 with a trainable head."""
     d = reference.default_chunk_size
-    assert d(4096, 248320, 2048) == 64 and d(16384, 248320, 2048) == 256 and d(65536, 248320, 2048) == 1024
+    assert d(4096, 248320, 2048) == 256 and d(16384, 248320, 2048) == 256 and d(65536, 248320, 2048) == 1024
+    assert d(65536, 248320, 4096) == 2048
     assert d(4096, 248320, 2048, trainable_head=True) == 1024
     assert d(14, 37, 16) == 14 and d(1, 37, 16) == 1 and d(0, 37, 16) == 1
 

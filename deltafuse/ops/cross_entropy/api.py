@@ -56,7 +56,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     ignored, as ``torch.nn.functional.cross_entropy`` gives), or by ``num_items_in_batch`` when it is given
     (transformers' gradient-accumulation normalisation); 'sum' returns the sum. The softmax is computed in
     fp32 (fp64 for fp64 inputs). ``chunk_size`` tokens are projected at a time (default: a power of two with
-    chunk * V about tokens * H, at least 64 tokens, at least 1,024 with a trainable head). With
+    chunk * V about tokens * H, at least 256 tokens, at least 1,024 with a trainable head). With
     ``return_logits=True`` returns ``(loss, logits)``; the logits ([..., T, V], hidden's dtype) are the same
     projection and carry no gradient. ``backend=`` may force 'triton' or 'torch'.
     """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the project measures on a CUDA machine, in parts that each fit one 10-minute call.
 #
-#   OUT=/path/to/results bash benchmarks/run_gpu.sh tests|gdn|blocks|e2e|all
+#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, blocks, e2e or all; default all)
 #
 #   tests   every GPU test (pytest -m gpu) and `deltafuse verify` on cuda for the tiny models, fp32 and bf16
 #   gdn     the gated delta rule benchmark vs FLA 0.6 and the HF fallback (benchmarks/run_gdn_gpu.sh)
@@ -9,21 +9,26 @@
 #   e2e     `deltafuse bench e2e` for moe8 and dense8 LoRA at 4096 packed tokens, stock vs deltafuse
 #
 # Run from the repository root. Wheels in .whl/ (fla_core, einops) are installed for the gdn part only, so
-# that "stock" elsewhere is transformers' own torch fallback. Logs and JSON go under $OUT.
+# that "stock" elsewhere is transformers' own torch fallback; a liger_kernel wheel there serves the blocks part.
+# Logs and JSON go under $OUT.
 set -uo pipefail
 OUT=${OUT:-./deltafuse-out}
-PART=${1:-all}
-case $PART in
-  tests|gdn|blocks|e2e|all) ;;
-  *) echo "run_gpu.sh: unknown part '$PART'; allowed: tests, gdn, blocks, e2e, all" >&2; exit 2 ;;
-esac
+PARTS=" ${*:-all} "
+for part in $PARTS; do
+  case $part in
+    tests|gdn|blocks|e2e|all) ;;
+    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, blocks, e2e, all" >&2; exit 2 ;;
+  esac
+done
+# want PART: is PART (or all) among the parts asked for
+want() { [[ $PARTS == *" $1 "* || $PARTS == *" all "* ]]; }
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 rc=0
 # step LOG CMD...: run CMD, show and keep its output in LOG, remember a failure
 step() { local log=$1; shift; echo "== $*"; "$@" 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} == 0 ]] || rc=1; }
 
-if [[ $PART == tests || $PART == all ]]; then
+if want tests; then
   nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
   python3 -m deltafuse info > "$OUT/info.txt" 2>&1
   step "$OUT/gpu_tests.log" python3 -m pytest -q -m gpu tests
@@ -34,14 +39,20 @@ if [[ $PART == tests || $PART == all ]]; then
     done
   done
 fi
-if [[ $PART == gdn || $PART == all ]]; then
+if want gdn; then
   step "$OUT/gdn_all.log" env OUT="$OUT" bash benchmarks/run_gdn_gpu.sh
 fi
-if [[ $PART == blocks || $PART == all ]]; then
+if want blocks; then
+  # Liger (pure Python + Triton) from a carried wheel, for its rows only; a separate target keeps FLA out
+  if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/liger \
+      .whl/liger_kernel-*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/liger
+  fi
   step "$OUT/block_ops.log" python3 benchmarks/bench_block_ops.py "$OUT/block_ops.json"
   step "$OUT/loss_moe.log" python3 benchmarks/bench_loss_moe.py "$OUT/loss_moe.json"
 fi
-if [[ $PART == e2e || $PART == all ]]; then
+if want e2e; then
   for model in moe8 dense8; do
     step "$OUT/e2e_$model.log" python3 -m deltafuse bench e2e --model $model --seq-len 4096 --max-steps 30 \
       --no-progress --output-dir "$OUT/e2e_$model" --overwrite

@@ -21,6 +21,12 @@ bfloat16   5e-2           5e-2
 float16    1e-2           1e-2
 =========  =============  ==============
 
+Mixture-of-experts models: a token whose top-k router scores tie within 16-bit rounding can go to a
+different expert in each run, which moves its whole gradient to another expert (a discontinuity, not an
+error). verify records the experts stock chose for every token and, in 16-bit runs, routes the deltafuse
+run's tokens the same way (scores recomputed from its own router logits with the router's formula), and
+reports how many tokens that touched. In fp32 any token routed differently is a failure.
+
 atol is 1e-6 (fp32) or 1e-3 (16-bit) times the largest |b| over all gradients. The stock and the deltafuse
 GDN compute the same maths in different orders (chunked WY forms, flattened packing), so fp32 agreement is
 to rounding, not bitwise.
@@ -79,10 +85,19 @@ class VerifyResult:
     comparisons: list[Comparison] = field(default_factory=list)
     batch: dict = field(default_factory=dict)
     patch_rows: int = 0
+    # MoE routers: name -> [tokens routed differently from stock, tokens]; pinned: whether those tokens were
+    # routed as stock routed them for the comparison (16-bit runs)
+    routing: dict = field(default_factory=dict)
+    routing_pinned: bool = False
+
+    @property
+    def rerouted(self) -> int:
+        return sum(d for d, _ in self.routing.values())
 
     @property
     def ok(self) -> bool:
-        return bool(self.comparisons) and all(c.ok for c in self.comparisons)
+        routing_ok = self.routing_pinned or self.rerouted == 0
+        return bool(self.comparisons) and all(c.ok for c in self.comparisons) and routing_ok
 
     @property
     def failures(self) -> list[Comparison]:
@@ -111,9 +126,82 @@ class VerifyResult:
         if worst is not None:
             summary += f"; worst gradient {worst.name[5:]} rel {worst.rel:.3e}"
         lines.append(summary)
-        lines.append("PASS" if self.ok else f"FAIL: {len(self.failures)} tensor(s) out of tolerance: "
-                     + ", ".join(c.name for c in self.failures[:10]))
+        if self.routing:
+            moved = {n: v for n, v in self.routing.items() if v[0]}
+            tokens = max(t for _, t in self.routing.values())
+            if not moved:
+                lines.append(f"routing: every token went to the same experts as in stock ({len(self.routing)} "
+                             f"router(s), {tokens} tokens each)")
+            else:
+                what = ", ".join(f"{n} {d}/{t}" for n, (d, t) in moved.items())
+                how = ("routed as stock routed them for the comparison (top-k ties within 16-bit rounding)"
+                       if self.routing_pinned else "a failure in fp32")
+                lines.append(f"routing: {self.rerouted} token(s) chose other experts than in stock ({what}); {how}")
+        if self.ok:
+            lines.append("PASS")
+        else:
+            lines.append(f"FAIL: {len(self.failures)} tensor(s) out of tolerance"
+                         + (": " + ", ".join(c.name for c in self.failures[:10]) if self.failures else "")
+                         + ("" if self.routing_pinned or not self.rerouted else
+                            f"; {self.rerouted} token(s) routed to other experts than in stock"))
         return "\n".join(lines)
+
+
+class _Routing:
+    """Top-k routers of a mixture-of-experts model (modules returning (logits, scores, indices)): records
+    the experts stock chose per token, then compares (and, when ``pin``, overrides) the deltafuse run's."""
+
+    def __init__(self, model, pin: bool):
+        self.routers = [(n, m) for n, m in model.named_modules()
+                        if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+        self.pin = pin
+        self.mode = None
+        self.stock: dict[str, list[torch.Tensor]] = {n: [] for n, _ in self.routers}
+        self.cursor: dict[str, int] = {}
+        self.counts: dict[str, list[int]] = {n: [0, 0] for n, _ in self.routers}
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in self.routers]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def start(self, mode: str | None) -> None:
+        self.mode = mode
+        if mode == "compare":
+            self.reference = {n: torch.cat(v) if v else None for n, v in self.stock.items()}
+            self.cursor = {n: 0 for n in self.stock}
+
+    def _hook(self, name: str):
+        def hook(module, args, out):
+            if self.mode is None or not (isinstance(out, tuple) and len(out) == 3):
+                return None
+            logits, scores, idx = out
+            if self.mode == "record":
+                self.stock[name].append(idx.detach().clone())
+                return None
+            ref_all = self.reference[name]
+            start = self.cursor[name]
+            ref = None if ref_all is None else ref_all[start:start + idx.shape[0]]
+            if ref is None or ref.shape != idx.shape:
+                raise VerifyError(f"router {name}: the deltafuse run routed {tuple(idx.shape)} tokens but the stock "
+                                  f"run(s) recorded {None if ref is None else tuple(ref.shape)} at this point")
+            self.cursor[name] = start + idx.shape[0]
+            ref = ref.to(idx.device)
+            differ = (idx.sort(-1).values != ref.sort(-1).values).any(-1)
+            n = int(differ.sum())
+            self.counts[name][0] += n
+            self.counts[name][1] += idx.shape[0]
+            if not (n and self.pin):
+                return None
+            # the router's own formula (fp32 softmax, top-k renormalised unless norm_topk_prob is False),
+            # evaluated at stock's experts for the tokens that differ
+            probs = torch.softmax(logits.float(), dim=-1).gather(-1, ref)
+            if getattr(module, "norm_topk_prob", True):
+                probs = probs / probs.sum(-1, keepdim=True)
+            pinned = torch.where(differ[:, None], probs.to(scores.dtype), scores)
+            return logits, pinned, torch.where(differ[:, None], ref, idx)
+
+        return hook
 
 
 def _compare(name: str, got: torch.Tensor | None, ref: torch.Tensor | None, rtol: float, atol: float) -> Comparison:
@@ -204,8 +292,6 @@ def verify_model(name_or_path: str, packed: bool = False, device: str | torch.de
     from deltafuse import patching
     from deltafuse.integrations.transformers import PATCHER
 
-    import transformers
-
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise VerifyError(f"dtype={dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
@@ -220,7 +306,6 @@ def verify_model(name_or_path: str, packed: bool = False, device: str | torch.de
     if PATCHER.has_records():
         raise VerifyError("deltafuse is already applied in this process, so no stock run is possible; call "
                           "deltafuse.revert() first")
-    settings_report = None
     if model is None:
         model, family = _build(name_or_path, device, dtype, seed)
     else:
@@ -234,6 +319,20 @@ def verify_model(name_or_path: str, packed: bool = False, device: str | torch.de
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab = config.vocab_size
 
+    routing = _Routing(model, pin=dtype in (torch.bfloat16, torch.float16))
+    try:
+        return _verify(model, name_or_path, family, packed, device, dtype, rtol, generator, vocab, routing)
+    finally:
+        routing.close()
+
+
+def _verify(model, name_or_path, family, packed, device, dtype, rtol, generator, vocab, routing) -> VerifyResult:
+    from deltafuse import patching
+
+    import transformers
+
+    settings_report = None
+    routing.start("record")
     if packed:
         rows, input_ids, position_ids, labels = _packed_batch(vocab, device, generator)
         model.zero_grad(set_to_none=True)
@@ -257,8 +356,10 @@ def verify_model(name_or_path: str, packed: bool = False, device: str | torch.de
         if not settings_report.enabled:
             raise VerifyError("DELTAFUSE_PATCH is off in the environment, so deltafuse cannot be applied; "
                               "unset it (or set it to 1) to verify")
+        routing.start("compare")
         out = model(**call)
         out.loss.backward()
+        routing.start(None)
         logits = out.logits
         if logits is None:
             # the fused loss (fused_ops) returns no logits when training; an evaluation call returns them
@@ -273,7 +374,8 @@ def verify_model(name_or_path: str, packed: bool = False, device: str | torch.de
     result = VerifyResult(model=name_or_path, family=family, packed=packed, device=str(device),
                           dtype=str(dtype).replace("torch.", ""), rtol=rtol, atol=atol,
                           transformers=transformers.__version__, batch=batch,
-                          patch_rows=len(settings_report.applied) if settings_report else 0)
+                          patch_rows=len(settings_report.applied) if settings_report else 0,
+                          routing={n: list(c) for n, c in routing.counts.items()}, routing_pinned=routing.pin)
     result.comparisons.append(_compare("loss", loss, ref_loss, rtol, 0.0))
     result.comparisons.append(_compare("logits", logits, ref_logits, rtol, 0.0))
     for name, ref in ref_grads.items():

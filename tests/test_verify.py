@@ -108,3 +108,70 @@ def test_fails_on_a_wrong_gradient(monkeypatch):
     failing = {c.name for c in result.failures}
     assert "loss" not in failing and "logits" not in failing
     assert any(n.startswith("grad model.layers.0.linear_attn") for n in failing)
+
+
+# --- MoE routing: ties broken differently are reported, pinned in 16-bit, a failure in fp32 -------------
+class ToyTopKRouter(torch.nn.Module):
+    """Same contract as transformers' TopKRouter modules: (logits, top-k scores, top-k indices)."""
+
+    def __init__(self, experts=6, hidden=5, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden))
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top, idx = probs.topk(self.top_k, dim=-1)
+        return logits, (top / top.sum(-1, keepdim=True)).to(logits.dtype), idx
+
+
+def _route_twice(pin):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ToyTopKRouter())
+    x = torch.randn(7, 5)
+    routing = verify._Routing(model, pin=pin)
+    routing.start("record")
+    _, _, stock_idx = model(x)
+    routing.start("compare")
+    y = x.clone()
+    y[3] = -y[3]  # token 3 now scores its experts differently
+    logits, scores, idx = model(y)
+    routing.start(None)
+    routing.close()
+    return routing, stock_idx, logits, scores, idx
+
+
+def test_routing_differences_are_pinned_in_16_bit_runs():
+    routing, stock_idx, logits, scores, idx = _route_twice(pin=True)
+    moved, tokens = routing.counts["0"]
+    assert tokens == 7 and moved >= 1
+    assert torch.equal(idx, stock_idx)  # every token goes where stock sent it
+    # scores of the pinned tokens follow the router's formula at stock's experts, from this run's logits
+    want = torch.softmax(logits.float(), -1).gather(-1, stock_idx)
+    want = want / want.sum(-1, keepdim=True)
+    torch.testing.assert_close(scores, want, rtol=0, atol=0)
+    result = verify.VerifyResult("toy", None, False, "cpu", "bfloat16", 0.05, 0.0, "-",
+                                 comparisons=[verify.Comparison("loss", 0.0, 0.0, True)],
+                                 routing={n: list(c) for n, c in routing.counts.items()}, routing_pinned=True)
+    assert result.ok and result.rerouted == moved
+    assert f"0 {moved}/7" in result.format() and "routed as stock routed them" in result.format()
+
+
+def test_routing_differences_fail_an_fp32_run():
+    routing, stock_idx, logits, scores, idx = _route_twice(pin=False)
+    moved = routing.counts["0"][0]
+    assert moved >= 1 and not torch.equal(idx, stock_idx)  # not pinned: the run keeps its own choice
+    result = verify.VerifyResult("toy", None, False, "cpu", "float32", 1e-4, 0.0, "-",
+                                 comparisons=[verify.Comparison("loss", 0.0, 0.0, True)],
+                                 routing={n: list(c) for n, c in routing.counts.items()}, routing_pinned=False)
+    assert not result.ok
+    assert "routed to other experts than in stock" in result.format()
+
+
+def test_moe_verify_reports_routing():
+    result = verify.verify_model("tiny-moe", packed=True, dtype="bf16")
+    assert result.ok, result.format()
+    n_tokens = sum(sum(r) for r in verify.PACKED_ROWS)
+    assert len(result.routing) == 4 and all(t == n_tokens for _, t in result.routing.values())
+    assert "routing:" in result.format()

@@ -110,6 +110,8 @@ def test_gpu_bf16_qwen35_moe_width(T, packed):
     if packed:
         cu = torch.tensor([0, 1, 700, 701, 2500, T], dtype=torch.int32, device=DEVICE)
     dout = torch.randn(1, C, T, generator=gen).to(DEVICE, torch.bfloat16)
+    if packed:  # the GDN layer transposes the conv output back, so its incoming gradient is a transposed view
+        dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
     res = {}
     for name, fn in (("triton", causal_conv1d_fn_triton), ("torch", causal_conv1d_fn_torch)):
         xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()

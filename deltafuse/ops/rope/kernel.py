@@ -4,8 +4,9 @@ One program per (token, batch row) handles every head of q and of k: it reads th
 once, rotates the first rotary_dim channels of each head (rotate-half pairs i, i + rotary_dim/2) and copies
 the remaining channels. Any strides are accepted for q/k (the transposed [B, H, T, D] views transformers
 passes are read in place); outputs keep the input's memory layout. The forward rounds each product and
-the sum to the output dtype, as the stock ``q * cos + rotate_half(q) * sin`` does, so low-precision outputs
-are the stock ones. The backward is the transposed rotation (fp32, one rounding). Gradients for cos/sin,
+the sum to the output dtype, as the stock ``q * cos + rotate_half(q) * sin`` does (compiled without
+floating-point contraction, which would fuse a product into the sum), so low-precision outputs are the
+stock ones. The backward is the transposed rotation (fp32, one rounding). Gradients for cos/sin,
 needed only when they require grad (never for transformers' rotary embedding), are reduced in torch.
 """
 
@@ -97,7 +98,11 @@ def _launch(q, k, qo, ko, cos, sin, unsqueeze_dim, backward, out_dtype):
         *cos3.stride()[:2], *sin3.stride()[:2],
         BACKWARD=backward, OUT_DT=_TL[out_dtype], HAS_PASS=n_pass > 0,
         BLOCK_HQ=min(16, triton.next_power_of_2(HQ)), BLOCK_HK=min(16, triton.next_power_of_2(HK)),
-        BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=4)
+        BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=4,
+        # the forward must round like stock (each product, then the sum): without this the compiler
+        # contracts product + sum into one fused multiply-add (one rounding), which differed from stock
+        # in the last bit on the H200; the fp32 backward may fuse
+        enable_fp_fusion=backward)
 
 
 def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:

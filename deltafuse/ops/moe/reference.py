@@ -12,7 +12,8 @@ ours), one grouped matmul for down, and the weighted sum over each token's k slo
 [1, k] x [k, H] product per token (deterministic; no atomics).
 
 Backward: only the gate_up output [S, 2I] is kept (plus the sort permutation and offsets; the hidden states
-and weights are inputs). The gathered hidden rows and SiLU * up are recomputed; the down projection output is
+and weights are inputs). The hidden-state gradient is formed before the gate_up weight gradient and summed
+over each token's k slots one slot at a time, so no [S, H] buffer coexists with that [E, 2I, H] gradient. The gathered hidden rows and SiLU * up are recomputed; the down projection output is
 never needed because the routing-weight gradient is computed as <dout_n @ down[e], silu(gate) * up>, i.e.
 from the same [S, I] product that feeds the rest of the backward. The stock grouped path keeps the gathered
 hidden rows, the down output, the activation and its product (two [S, H] and two [S, I] tensors more).
@@ -210,24 +211,41 @@ class _MoeExperts(torch.autograd.Function):
             del act, g
             dgu = torch.cat([dgate, dup], dim=-1)
             del dgate, dup
+            if need_h:
+                # before the [E, 2I, H] weight gradient exists; the k slots of each token are summed one at
+                # a time in a fixed order (deterministic, and no permuted [S, H] copy of dx)
+                dx = mats.mm(dgu, gate_up, plan.offs)
+                slot = plan.inverse().view(n, plan.k)
+                acc = dx[slot[:, 0]].to(ct)
+                for j in range(1, plan.k):
+                    acc += dx[slot[:, j]]
+                del dx
+                d_hidden = acc.to(dt)
+                del acc
             if need_gu:
                 d_gu = mats.wgrad(dgu, hidden[plan.token], plan.offs)
-            if need_h:
-                dx = mats.mm(dgu, gate_up, plan.offs)[plan.inverse()]
-                d_hidden = dx.view(n, plan.k, hdim).sum(1, dtype=ct).to(dt)
         return d_hidden, d_w, d_gu, d_down, None, None, None
 
 
-def _moe(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped: bool):
+def run_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, make_mats):
+    """The experts autograd Function with the grouped matmuls of ``make_mats()`` (an object with ``mm`` and
+    ``wgrad`` as ``_Matmuls`` has); a call that routes no token returns zeros still tied to the weights."""
     grad = torch.is_grad_enabled()
     needs = tuple(grad and t.requires_grad for t in (hidden, top_k_weights, gate_up_proj, down_proj))
     if top_k_index.numel() == 0:
         anchor = sum((t.sum() * 0) for t in (top_k_weights, gate_up_proj, down_proj))
         return torch.zeros_like(hidden) + anchor.to(hidden.dtype)
+    return _MoeExperts.apply(hidden, top_k_weights, gate_up_proj, down_proj, top_k_index, make_mats(), needs)
+
+
+def _moe(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped: bool):
     dev = hidden.device
-    use = grouped and _grouped_works(dev.type, dev.index, hidden.dtype)
-    mats = _Matmuls(use, gate_up_proj.shape[0], _empty_groups_need_zeroing(dev))
-    return _MoeExperts.apply(hidden, top_k_weights, gate_up_proj, down_proj, top_k_index, mats, needs)
+
+    def make_mats():
+        use = grouped and _grouped_works(dev.type, dev.index, hidden.dtype)
+        return _Matmuls(use, gate_up_proj.shape[0], _empty_groups_need_zeroing(dev))
+
+    return run_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, make_mats)
 
 
 def moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from deltafuse.backends.common import load_attr, torch_supports
+from deltafuse.backends.common import NPU_UNVERIFIED, load_attr, npu_available, npu_supports, torch_supports
 from deltafuse.backends.registry import Candidate, Registry
 
 MOE_EXPERTS = "moe_experts"
 
 
 def register(registry: Registry) -> None:
+    registry.register(MOE_EXPERTS, Candidate(
+        "npu", load_attr("deltafuse.ops.moe.npu", "moe_experts_npu"), npu_available("npu_grouped_matmul"),
+        npu_supports, verified=False,
+        note="the torch reference's autograd Function with its grouped matmuls on torch_npu.npu_grouped_matmul "
+             "(split_item=3; group_type=0 for the forward and data gradients, 2 for the weight gradients; "
+             "empty experts' weight gradients zeroed explicitly); " + NPU_UNVERIFIED))
     registry.register(MOE_EXPERTS, Candidate(
         "torch", load_attr("deltafuse.ops.moe.reference", "moe_experts_torch"), supports=torch_supports,
         note="sort by expert, grouped matmuls (torch grouped_mm where it works for the device/dtype, else a "

@@ -348,3 +348,160 @@ def test_swiglu_inside_uses_the_triton_kernel_when_forced():
         backends.set_backend_override(None)
         backends.REGISTRY.clear_cache()
     assert len(calls) == 2  # forward and the backward's recompute
+
+
+# --- Ascend NPU route with a stand-in torch_npu (npu_grouped_matmul) ---------------------------------------
+import sys  # noqa: E402
+import types  # noqa: E402
+
+from tests.helpers import npu_device  # noqa: E402
+
+
+def _fake_torch_npu(calls, with_gmm=True):
+    """torch_npu stand-in: npu_grouped_matmul with the documented semantics for one x, one weight and one
+    output, as plain torch loops over the groups; every call is recorded. What the hardware writes for an
+    empty group under group_type=2 is not documented: the stand-in writes NaN there, so the route must zero
+    those experts itself."""
+    mod = types.ModuleType("torch_npu")
+
+    def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, group_type=-1,
+                           group_list_type=0, **extra):
+        calls.append(dict(x=list(x), weight=list(weight), bias=bias, group_list=group_list, split_item=split_item,
+                          group_type=group_type, group_list_type=group_list_type, extra=extra))
+        if len(x) != 1 or len(weight) != 1 or split_item not in (2, 3) or bias is not None or extra:
+            raise NotImplementedError("stand-in: one x, one weight, one output, no bias or quantisation")
+        if group_list_type != 0 or not isinstance(group_list, torch.Tensor) or group_list.dim() != 1:
+            raise NotImplementedError("stand-in: group_list is a 1-D tensor of cumulative group ends")
+        ends = group_list.tolist()
+        assert all(b >= a for a, b in zip([0] + ends, ends)), "group_list must be non-decreasing"
+        a, w = x[0], weight[0]
+        if group_type == 0:  # split the M axis: rows of a by group, each times w[e]
+            assert a.dim() == 2 and w.dim() == 3 and w.shape[0] == len(ends) and w.shape[1] == a.shape[1]
+            assert ends[-1] == a.shape[0]
+            out = a.new_empty(a.shape[0], w.shape[2])
+            start = 0
+            for e, end in enumerate(ends):
+                out[start:end] = a[start:end] @ w[e]
+                start = end
+            return [out]
+        if group_type == 2:  # split the K axis: columns of a and rows of w by group, one [M, N] per group
+            assert a.dim() == 2 and w.dim() == 2 and ends[-1] == a.shape[1] == w.shape[0]
+            out = torch.full((len(ends), a.shape[0], w.shape[1]), float("nan"), dtype=a.dtype)
+            start = 0
+            for e, end in enumerate(ends):
+                if end > start:
+                    out[e] = a[:, start:end] @ w[start:end]
+                start = end
+            return [out]
+        raise NotImplementedError(f"stand-in: group_type {group_type}")
+
+    if with_gmm:
+        mod.npu_grouped_matmul = npu_grouped_matmul
+    return mod
+
+
+def _npu_impl(monkeypatch, calls):
+    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
+    reg = Registry()
+    moe_backends.register(reg)
+    return reg.select(OP, CallInfo(npu_device(), torch.bfloat16, True))
+
+
+def test_npu_route_selection(monkeypatch):
+    from deltafuse import backends
+
+    assert [c.name for c in backends.REGISTRY.candidates(OP)][:2] == ["npu", "torch"]
+    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu([]))
+    reg = Registry()
+    moe_backends.register(reg)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        rows = {d.candidate: d for d in reg.explain(OP, CallInfo(npu_device(), dt, True))}
+        assert rows["npu"].chosen and rows["npu"].verified is False and not rows["torch"].chosen
+    # torch_npu's kernels take fp16/bf16/fp32 only; fp64 on npu falls back to torch
+    rows = {d.candidate: d for d in reg.explain(OP, CallInfo(npu_device(), torch.float64, True))}
+    assert rows["torch"].chosen and "fp16, bf16, fp32" in rows["npu"].reason
+    # never on other devices
+    rows = {d.candidate: d for d in reg.explain(OP, CallInfo(torch.device("cpu"), torch.float32, True))}
+    assert rows["torch"].chosen and "npu device" in rows["npu"].reason
+    assert "npu_grouped_matmul" in next(c for c in reg.candidates(OP) if c.name == "npu").note
+
+
+def test_npu_route_unavailable_without_torch_npu_or_grouped_matmul(monkeypatch):
+    npu = CallInfo(npu_device(), torch.bfloat16, True)
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
+    reg = Registry()
+    moe_backends.register(reg)
+    rows = {d.candidate: d for d in reg.explain(OP, npu)}
+    assert rows["torch"].chosen and "torch_npu does not import" in rows["npu"].reason
+    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu([], with_gmm=False))
+    reg = Registry()
+    moe_backends.register(reg)
+    rows = {d.candidate: d for d in reg.explain(OP, npu)}
+    assert rows["torch"].chosen and "torch_npu has no npu_grouped_matmul" in rows["npu"].reason
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 5e-6)])
+@pytest.mark.parametrize("shape", [(9, 16, 8, 7, 2, 4), (13, 24, 12, 8, 4, 6), (5, 8, 4, 3, 1, 2)])
+def test_npu_route_matches_torch_and_float64_with_stand_in(monkeypatch, dtype, tol, shape):
+    """The npu route (stand-in kernel, CPU tensors): output and the gradients of hidden, routing weights,
+    gate_up_proj and down_proj equal the torch route and the float64 oracle; experts >= used get no token and
+    exact zero weight gradients (the stand-in writes NaN there)."""
+    N, H, I, E, k, used = shape
+    impl = _npu_impl(monkeypatch, calls := [])
+    assert impl.__name__ == "moe_experts_npu"
+    x, idx, w, gu, dn = _inputs(N, H, I, E, k, dtype=dtype, device="cpu", seed=sum(shape) + 20, used=used)
+    assert torch.bincount(idx.flatten(), minlength=E)[used:].sum() == 0
+    got = _check(impl, x, idx, w, gu, dn, tol)
+    assert calls, "the stand-in npu_grouped_matmul was not called"
+    for g in got[2:]:
+        assert torch.equal(g[used:], torch.zeros_like(g[used:])) and g[:used].abs().max() > 0
+    # the torch route on the same inputs and the same output gradient
+    out_n = impl(x, idx, w, gu, dn)
+    out_t = reference.moe_experts_torch(x, idx, w, gu, dn)
+    dy = torch.randn_like(out_t)
+    grads_n = torch.autograd.grad(out_n, (x, w, gu, dn), dy)
+    grads_t = torch.autograd.grad(out_t, (x, w, gu, dn), dy)
+    assert_rel_close(out_n, out_t, tol, "out vs torch")
+    for name, a, b in zip(("hidden", "weights", "gate_up", "down"), grads_n, grads_t):
+        assert_rel_close(a, b, tol, f"d{name} vs torch")
+
+
+def test_npu_route_argument_mapping(monkeypatch):
+    """Forward and data-gradient matmuls: group_type=0 with the 3-D weight (the parameter itself or a
+    transposed view of it, no copy); weight gradients: group_type=2 with x = [a^T]; always split_item=3,
+    group_list_type=0 and an int64 group_list of cumulative group ends."""
+    impl = _npu_impl(monkeypatch, calls := [])
+    N, H, I, E, k = 10, 16, 8, 6, 2
+    x, idx, w, gu, dn = _inputs(N, H, I, E, k, device="cpu", seed=30, used=4)
+    ends = torch.cumsum(torch.bincount(idx.flatten(), minlength=E), 0)
+    with torch.no_grad():
+        impl(x, idx, w, gu, dn)
+    assert [c["group_type"] for c in calls] == [0, 0]  # inference: gate_up and down, nothing else
+    calls.clear()
+    out = impl(x, idx, w, gu, dn)
+    fwd = list(calls)
+    out.backward(torch.randn_like(out))
+    bwd = calls[len(fwd):]
+    assert [c["group_type"] for c in fwd] == [0, 0]
+    assert sorted(c["group_type"] for c in bwd) == [0, 0, 2, 2]
+    S = N * k
+    for c in calls:
+        assert c["split_item"] == 3 and c["group_list_type"] == 0 and c["bias"] is None and not c["extra"]
+        assert c["group_list"].dtype == torch.int64 and torch.equal(c["group_list"], ends)
+        assert len(c["x"]) == 1 and len(c["weight"]) == 1
+    # forward: x [S, H] @ gate_up^T view, then [S, I] @ down^T view; both views of the parameters
+    (x0,), (w0,) = fwd[0]["x"], fwd[0]["weight"]
+    assert x0.shape == (S, H) and w0.shape == (E, H, 2 * I) and w0.data_ptr() == gu.data_ptr()
+    (x1,), (w1,) = fwd[1]["x"], fwd[1]["weight"]
+    assert x1.shape == (S, I) and w1.shape == (E, I, H) and w1.data_ptr() == dn.data_ptr()
+    # backward data gradients: dout rows @ down [E, H, I], dgate_up @ gate_up [E, 2I, H]
+    mm_shapes = sorted((tuple(c["x"][0].shape), tuple(c["weight"][0].shape)) for c in bwd if c["group_type"] == 0)
+    assert mm_shapes == sorted([((S, H), (E, H, I)), ((S, 2 * I), (E, 2 * I, H))])
+    # weight gradients: x = [a^T] with a [S, P] (split along its columns), weight = [b [S, Q]] -> [E, P, Q]
+    wg_shapes = sorted((tuple(c["x"][0].shape), tuple(c["weight"][0].shape)) for c in bwd if c["group_type"] == 2)
+    assert wg_shapes == sorted([((H, S), (S, I)), ((2 * I, S), (S, H))])
+    # no tokens: zeros, no kernel call
+    calls.clear()
+    x0, idx0, w0_, gu0, dn0 = _inputs(0, H, I, E, k, device="cpu")
+    out0 = impl(x0, idx0, w0_, gu0, dn0)
+    assert out0.shape == (0, H) and not calls

@@ -136,3 +136,59 @@ def test_backend_env_and_override(monkeypatch):
     monkeypatch.setenv("DELTAFUSE_BACKEND", "nonsense")
     with pytest.raises(ValueError, match="DELTAFUSE_BACKEND='nonsense'"):
         backends.current_backend()
+
+
+# --- FLA on Ascend NPUs (triton-ascend): routing and argument mapping with stand-ins ---------------------
+def test_fla_ascend_availability_needs_torch_npu_triton_ascend_and_fla(monkeypatch):
+    present = {"torch_npu": None, "fla.ops.gated_delta_rule": None}
+    monkeypatch.setattr(probes, "import_error", lambda m: present.get(m, f"{m} is not installed"))
+    monkeypatch.setattr(gd, "_triton_ascend_version", lambda: None)
+    assert "triton-ascend" in gd._fla_ascend_available()
+    monkeypatch.setattr(gd, "_triton_ascend_version", lambda: "3.2.0")
+    assert gd._fla_ascend_available() is None
+    present["fla.ops.gated_delta_rule"] = "fla.ops.gated_delta_rule is not installed"
+    assert gd._fla_ascend_available() == "fla.ops.gated_delta_rule is not installed"
+    present["torch_npu"] = "torch_npu is not installed"
+    assert gd._fla_ascend_available() == "torch_npu is not installed"
+
+
+@pytest.mark.parametrize("op,fn", [(gd.CHUNK, "chunk_gated_delta_rule"),
+                                   (gd.RECURRENT, "fused_recurrent_gated_delta_rule")])
+def test_fla_ascend_route_serves_npu_tensors_only(monkeypatch, op, fn):
+    import sys
+    import types
+
+    from tests.helpers import npu_device
+
+    calls = []
+
+    def fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        calls.append(dict(args=(q, k, v, g, beta), scale=scale, initial_state=initial_state,
+                          output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel, cu=cu_seqlens))
+        return v * 2, None
+
+    mod = types.ModuleType("fla.ops.gated_delta_rule")
+    setattr(mod, fn, fake)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", mod)
+    reg = Registry()
+    gd.register(reg)
+    reg._available[(op, "npu")] = None  # torch_npu, triton-ascend and FLA present (stand-ins)
+    reg._available[(op, "fla")] = None
+    npu = CallInfo(npu_device(), torch.bfloat16, op == gd.CHUNK)
+    rows = {r.candidate: r for r in reg.explain(op, npu)}
+    assert rows["npu"].chosen and rows["npu"].verified is False
+    assert "CUDA" in rows["fla"].reason and "npu" in rows["triton"].reason
+    # CPU and CUDA tensors never go to the Ascend route
+    for dev in (CPU, torch.device("cuda", 0)):
+        reason = {r.candidate: r for r in reg.explain(op, CallInfo(dev, torch.bfloat16, False))}["npu"].reason
+        assert reason and "npu device" in reason
+    impl = reg.select(op, npu)
+    q, k = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8)
+    v, g, beta = torch.randn(1, 5, 4, 8), -torch.rand(1, 5, 4), torch.rand(1, 5, 4)
+    h0, cu = torch.randn(2, 4, 8, 8), torch.tensor([0, 2, 5])
+    out, _ = impl(q, k, v, g, beta, 0.25, h0, True, True, cu)
+    c = calls[-1]
+    assert all(a is b for a, b in zip(c["args"], (q, k, v, g, beta)))
+    assert c["scale"] == 0.25 and c["initial_state"] is h0 and c["output_final_state"] is True
+    assert c["l2"] is True and c["cu"] is cu and torch.equal(out, v * 2)

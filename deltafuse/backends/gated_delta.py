@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from deltafuse.backends import probes
-from deltafuse.backends.common import (FLOATS, load_attr, torch_supports, triton_auto_skip, triton_available,
-                                       triton_supports)
+from deltafuse.backends.common import (FLOATS, NPU_UNVERIFIED, load_attr, npu_supports, torch_supports,
+                                       triton_auto_skip, triton_available, triton_supports)
 from deltafuse.backends.registry import CallInfo, Candidate, Registry
 
 CHUNK = "chunk_gated_delta_rule"
@@ -42,6 +44,25 @@ def fla_backward_known_bad(call: CallInfo) -> str | None:
     return None
 
 
+# --- FLA on Ascend NPUs (the seed project's route) -------------------------------------------------------
+def _triton_ascend_version() -> str | None:
+    """Version of the installed triton-ascend distribution (the Triton build for Ascend NPUs), or None."""
+    try:
+        return importlib.metadata.version("triton-ascend")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _fla_ascend_available() -> str | None:
+    why = probes.import_error("torch_npu")
+    if why is not None:
+        return why
+    if _triton_ascend_version() is None:
+        return ("FLA runs on Ascend NPUs only through triton-ascend (the Triton build for NPUs), which is not "
+                "installed")
+    return _fla_available()
+
+
 def _load_fla(name: str):
     def load():
         import importlib
@@ -67,6 +88,9 @@ def register(registry: Registry) -> None:
                       note="deltafuse's chunked Triton kernels (fwd+bwd)"),
             Candidate("fla", _load_fla("chunk_gated_delta_rule"), _fla_available, _fla_supports,
                       fla_backward_known_bad, note="flash-linear-attention"),
+            Candidate("npu", _load_fla("chunk_gated_delta_rule"), _fla_ascend_available, npu_supports,
+                      verified=False, note="flash-linear-attention's kernels on an Ascend NPU through triton-ascend "
+                                           "(fwd+bwd); " + NPU_UNVERIFIED),
             Candidate("torch", load_attr(REFERENCE, "chunk_gated_delta_rule_torch"), supports=torch_supports,
                       note="deltafuse's chunked torch reference (any device)"),
         ],
@@ -76,6 +100,9 @@ def register(registry: Registry) -> None:
                       note="deltafuse's recurrent Triton kernel (inference)"),
             Candidate("fla", _load_fla("fused_recurrent_gated_delta_rule"), _fla_available, _fla_supports,
                       note="flash-linear-attention"),
+            Candidate("npu", _load_fla("fused_recurrent_gated_delta_rule"), _fla_ascend_available, npu_supports,
+                      verified=False, note="flash-linear-attention's recurrent kernel on an Ascend NPU through "
+                                           "triton-ascend; " + NPU_UNVERIFIED),
             Candidate("torch", load_attr(REFERENCE, "fused_recurrent_gated_delta_rule_torch"),
                       supports=torch_supports, note="deltafuse's step-by-step torch reference"),
         ],

@@ -1,4 +1,5 @@
-"""`deltafuse train` end to end on the tiny CPU model: loss falls, outputs, resume, full FT, local dirs, DDP."""
+"""`deltafuse train` end to end on the tiny CPU model: loss falls, outputs, resume, full FT, local dirs, DDP
+(torchrun and accelerate launch)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import re
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from deltafuse.train.cli import main
 
@@ -107,6 +110,22 @@ def test_ddp_with_two_cpu_processes(tmp_path):
     out = str(tmp_path / "ddp")
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "deltafuse.train", "--max-steps", "2", "--seq-len", "256", "--num-examples", "20",
+                           "--output-dir", out, "--no-progress"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = summary(out)
+    assert s["world_size"] == 2 and s["wrapped_model"] == "DistributedDataParallel"
+    assert len(records(out)) == 2
+
+
+def test_accelerate_launch_with_two_cpu_processes(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on a CPU machine (gloo): the same DDP run."""
+    pytest.importorskip("accelerate")
+    out = str(tmp_path / "acc")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                            "-m", "deltafuse.train", "--max-steps", "2", "--seq-len", "256", "--num-examples", "20",
                            "--output-dir", out, "--no-progress"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)

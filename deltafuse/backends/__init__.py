@@ -52,9 +52,9 @@ def select(op: str, call: CallInfo, backend: str | None = None):
 
 
 def _register_all() -> None:
-    from deltafuse.backends import conv1d, cross_entropy, gated_delta, moe, norm, rope, swiglu
+    from deltafuse.backends import attention, conv1d, cross_entropy, gated_delta, moe, norm, rope, swiglu
 
-    for module in (gated_delta, conv1d, norm, rope, swiglu, cross_entropy, moe):
+    for module in (gated_delta, conv1d, norm, rope, swiglu, cross_entropy, moe, attention):
         module.register(REGISTRY)
 
 

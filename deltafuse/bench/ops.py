@@ -42,6 +42,8 @@ GPU_TOKENS = QWEN35_35B_A3B.tokens
 CPU_TOKENS = CPU_SIZES.tokens
 # ops Liger-Kernel has a kernel for (compared on CUDA)
 LIGER_OPS = ("rms_norm_zero_centered", "apply_rotary_pos_emb", "swiglu", "fused_linear_cross_entropy")
+# ops deltafuse routes only on some device types (elsewhere the model's own function runs, untouched)
+ROUTED_ONLY_ON = {"sdpa_attention": ("npu",)}
 # inputs that never get a gradient (states the ops read, RoPE's tables)
 NO_GRAD = ("conv_state", "initial_state", "cos", "sin")
 
@@ -214,15 +216,17 @@ def implementations(op: str, device: torch.device, fla_unguarded: bool) -> list[
                     note = "FLA's Hopper guard set off for timing (its backward is wrong on this stack)"
             impls.append(("fla", _gdn_call(getattr(fla_gdr, op), "fla"), note))
         return impls
+    # the CUDA package causal-conv1d, when it is installed and the tensors are on a GPU
+    cc1d = None
+    if device.type == "cuda" and probes.import_error("causal_conv1d") is None:
+        import causal_conv1d as cc1d
     if op == "causal_conv1d_fn":
         impls.append(("deltafuse", lambda t: dops.causal_conv1d_fn(t["x"], t["weight"], t["bias"],
                                                                   activation="silu"), ""))
         stock = _stock_fn("causal_conv1d_fn")
         impls.append(("transformers torch", lambda t: stock(t["x"], t["weight"], t["bias"], activation="silu"), ""))
-        if device.type == "cuda" and probes.import_error("causal_conv1d") is None:
-            import causal_conv1d
-
-            impls.append(("causal-conv1d", lambda t: causal_conv1d.causal_conv1d_fn(
+        if cc1d is not None:
+            impls.append(("causal-conv1d", lambda t: cc1d.causal_conv1d_fn(
                 t["x"], t["weight"], t["bias"], activation="silu"), ""))
         return impls
     # causal_conv1d_update mutates conv_state: every call gets its own copy (the copy is timed for all alike)
@@ -231,10 +235,8 @@ def implementations(op: str, device: torch.device, fla_unguarded: bool) -> list[
     stock = _stock_fn("causal_conv1d_update")
     impls.append(("transformers torch", lambda t: stock(t["x"], t["conv_state"].clone(), t["weight"], t["bias"],
                                                         activation="silu"), ""))
-    if device.type == "cuda" and probes.import_error("causal_conv1d") is None:
-        import causal_conv1d
-
-        impls.append(("causal-conv1d", lambda t: causal_conv1d.causal_conv1d_update(
+    if cc1d is not None:
+        impls.append(("causal-conv1d", lambda t: cc1d.causal_conv1d_update(
             t["x"], t["conv_state"].clone(), t["weight"], t["bias"], activation="silu"), ""))
     return impls
 
@@ -439,6 +441,11 @@ def case_of(op: str, shape, sizes: Sizes, dtype, device):
 
 def bench_one(op: str, shape, dtype, device, reps: int, fla_unguarded: bool, sizes: Sizes | None = None) -> list[dict]:
     sizes = sizes or CPU_SIZES
+    if op in ROUTED_ONLY_ON and device.type not in ROUTED_ONLY_ON[op]:
+        return [{"op": op, "dims": "-", "shape": [], "dtype": str(dtype).replace("torch.", ""),
+                 "impl": "transformers (not routed)",
+                 "note": f"routed only on {', '.join(ROUTED_ONLY_ON[op])} devices; transformers' own function "
+                         f"serves {device.type}, so there is nothing to compare"}]
     dims, dims_shape, inputs, impls = case_of(op, shape, sizes, dtype, device)
     base = {"op": op, "dims": dims or "-", "shape": dims_shape, "dtype": str(dtype).replace("torch.", "")}
     if inputs is None:  # an op registered after this benchmark was written

@@ -295,3 +295,33 @@ def wrap_experts_forward(original):
         return experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
     return _mark(forward, original, "wrap_experts_forward")
+
+
+# --- attention (Ascend NPU) -------------------------------------------------------------------------
+# keyword arguments that change the maths of transformers' SDPA function: such calls stay with it
+_ATTENTION_EXTRAS = ("position_bias", "softcap", "s_aux", "sliding_window")
+
+
+def _routable_attention(module, is_causal, kwargs) -> bool:
+    if any(kwargs.get(name) is not None for name in _ATTENTION_EXTRAS) or kwargs.get("output_attentions"):
+        return False
+    return bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+
+
+def wrap_sdpa_attention(original):
+    """transformers' ``sdpa`` attention function: causal self-attention on npu tensors goes to the registry's
+    route (Ascend's fused kernel); every other call, and every other device, runs the original."""
+
+    @functools.wraps(original)
+    def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               is_causal=None, **kwargs):
+        if query.device.type == "npu" and _routable_attention(module, is_causal, kwargs):
+            from deltafuse.ops.attention import sdpa_route
+
+            impl = sdpa_route(query, key, value)
+            if impl is not None:
+                return impl(query, key, value, attention_mask, dropout, scaling, True), None
+        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)
+
+    return _mark(sdpa_attention_forward, original, "wrap_sdpa_attention")

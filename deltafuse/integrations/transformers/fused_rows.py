@@ -13,11 +13,13 @@ from deltafuse.integrations.transformers import adapters_fused as f
 from deltafuse.integrations.transformers.patcher import Route
 
 EXPERTS_MAPPING = "transformers.integrations.moe.ExpertsInterface._global_mapping"
+ATTENTION_MAPPING = "transformers.modeling_utils.AttentionInterface._global_mapping"
 
 
-def fused_routes(rms_norm: str, rms_norm_gated: str, mlp: str, causal_lm: str) -> tuple[Route, ...]:
-    """Norm, RoPE, SwiGLU and loss rows for a family whose zero-centred norm class is ``rms_norm``, gated norm
-    ``rms_norm_gated``, dense MLP / shared expert ``mlp`` and causal LM ``causal_lm``."""
+def fused_routes(rms_norm: str, rms_norm_gated: str, mlp: str, causal_lm: str, attention: str) -> tuple[Route, ...]:
+    """Norm, RoPE, SwiGLU, loss and attention rows for a family whose zero-centred norm class is ``rms_norm``,
+    gated norm ``rms_norm_gated``, dense MLP / shared expert ``mlp``, causal LM ``causal_lm`` and full attention
+    layer ``attention``."""
     return (
         Route("fused_ops", "class", rms_norm, "forward", f.wrap_rms_norm_forward, wrap=True),
         Route("fused_ops", "class", rms_norm_gated, "forward", f.wrap_rms_norm_gated_forward, wrap=True,
@@ -29,6 +31,10 @@ def fused_routes(rms_norm: str, rms_norm_gated: str, mlp: str, causal_lm: str) -
         Route("fused_ops", "class", causal_lm, "forward", f.wrap_causal_lm_forward, wrap=True,
               note="fused loss with labels and gradients on; logits returned by the stock path (no grad, "
                    f"logits_to_keep != 0, {f.LOGITS_KWARG}=True)"),
+        # transformers' "sdpa" attention function (shared by every model that selects sdpa)
+        Route("fused_ops", "mapping", attention, "sdpa", f.wrap_sdpa_attention, wrap=True, mapping=ATTENTION_MAPPING,
+              note="causal self-attention on npu tensors through the registry's route (Ascend's fused kernel); "
+                   "other devices and calls run transformers' function"),
     )
 
 

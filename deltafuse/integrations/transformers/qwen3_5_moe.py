@@ -9,6 +9,6 @@ MAP = FamilyMap(
     module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     routes=gdn_routes(gdn="Qwen3_5MoeGatedDeltaNet", text_model="Qwen3_5MoeTextModel")
     + fused_routes(rms_norm="Qwen3_5MoeRMSNorm", rms_norm_gated="Qwen3_5MoeRMSNormGated", mlp="Qwen3_5MoeMLP",
-                   causal_lm="Qwen3_5MoeForCausalLM")
+                   causal_lm="Qwen3_5MoeForCausalLM", attention="Qwen3_5MoeAttention")
     + moe_routes(experts="Qwen3_5MoeExperts"),
 )

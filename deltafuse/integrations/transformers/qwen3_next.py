@@ -9,6 +9,6 @@ MAP = FamilyMap(
     module="transformers.models.qwen3_next.modeling_qwen3_next",
     routes=gdn_routes(gdn="Qwen3NextGatedDeltaNet", text_model="Qwen3NextModel")
     + fused_routes(rms_norm="Qwen3NextRMSNorm", rms_norm_gated="Qwen3NextRMSNormGated", mlp="Qwen3NextMLP",
-                   causal_lm="Qwen3NextForCausalLM")
+                   causal_lm="Qwen3NextForCausalLM", attention="Qwen3NextAttention")
     + moe_routes(experts="Qwen3NextExperts"),
 )

@@ -1,0 +1,21 @@
+"""Attention routes for transformers' attention interface.
+
+Not a public op: transformers' own attention functions serve every device that has no route here. Today the
+only route is Ascend's fused attention kernel (``npu.sdpa_npu``) for npu tensors.
+"""
+
+from __future__ import annotations
+
+
+def stock_attention(*args, **kwargs):
+    """Marker chosen by the registry where transformers' function serves; the adapter calls that function."""
+    raise RuntimeError("stock_attention is a marker: the caller runs transformers' own attention function")
+
+
+def sdpa_route(query, key, value):
+    """The registry's SDPA implementation for these tensors, or None where transformers' own function serves."""
+    from deltafuse import backends
+    from deltafuse.backends.attention import SDPA
+
+    impl = backends.select(SDPA, backends.call_info(query, key, value))
+    return None if impl is stock_attention else impl

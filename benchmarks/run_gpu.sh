@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Everything the project measures on a CUDA machine, in parts that each fit one 10-minute call.
 #
-#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, blocks, e2e or all; default all)
+#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, blocks, e2e, long or all; default all)
 #
 #   tests   every GPU test (pytest -m gpu) and `deltafuse verify` on cuda for the tiny models, fp32 and bf16
 #   gdn     the gated delta rule benchmark vs FLA 0.6 and the HF fallback (benchmarks/run_gdn_gpu.sh)
 #   blocks  block ops, loss and experts benchmarks (bench_block_ops.py, bench_loss_moe.py)
 #   e2e     `deltafuse bench e2e` for moe8 and dense8 LoRA at 4096 packed tokens, stock vs deltafuse
+#   long    moe8 LoRA at 16,384 packed tokens (stock vs deltafuse) and a 65,536-token deltafuse step with
+#           gradient checkpointing (peak memory in the logs)
 #
 # Run from the repository root. Wheels in .whl/ (fla_core, einops) are installed for the gdn part only, so
 # that "stock" elsewhere is transformers' own torch fallback; a liger_kernel wheel there serves the blocks part.
@@ -16,8 +18,8 @@ OUT=${OUT:-./deltafuse-out}
 PARTS=" ${*:-all} "
 for part in $PARTS; do
   case $part in
-    tests|gdn|blocks|e2e|all) ;;
-    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, blocks, e2e, all" >&2; exit 2 ;;
+    tests|gdn|blocks|e2e|long|all) ;;
+    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, blocks, e2e, long, all" >&2; exit 2 ;;
   esac
 done
 # want PART: is PART (or all) among the parts asked for
@@ -58,5 +60,13 @@ if want e2e; then
       --no-progress --output-dir "$OUT/e2e_$model" --overwrite
     rm -rf "$OUT/e2e_$model"/{on,off}/checkpoint-* "$OUT/e2e_$model"/{on,off}/final
   done
+fi
+if want long; then
+  step "$OUT/e2e_moe8_16k.log" python3 -m deltafuse bench e2e --model moe8 --seq-len 16384 --max-steps 10 \
+    --interval 5 --no-progress --output-dir "$OUT/e2e_moe8_16k" --overwrite
+  rm -rf "$OUT/e2e_moe8_16k"/{on,off}/checkpoint-* "$OUT/e2e_moe8_16k"/{on,off}/final
+  step "$OUT/train_moe8_64k.log" python3 -m deltafuse train --model moe8 --seq-len 65536 --max-steps 3 \
+    --gradient-checkpointing --log-every 1 --no-progress --output-dir "$OUT/train_moe8_64k" --overwrite
+  rm -rf "$OUT/train_moe8_64k"/checkpoint-* "$OUT/train_moe8_64k"/final
 fi
 exit $rc

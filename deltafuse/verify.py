@@ -147,6 +147,12 @@ class VerifyResult:
         return "\n".join(lines)
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 class _Routing:
     """Top-k routers of a mixture-of-experts model (modules returning (logits, scores, indices)): records
     the experts stock chose per token, then compares (and, when ``pin``, overrides) the deltafuse run's."""
@@ -176,11 +182,16 @@ class _Routing:
             if self.mode is None or not (isinstance(out, tuple) and len(out) == 3):
                 return None
             logits, scores, idx = out
+            # inside backward: a recomputation under gradient checkpointing, of routing already seen
+            again = _in_backward()
             if self.mode == "record":
-                self.stock[name].append(idx.detach().clone())
+                if not again:
+                    self.stock[name].append(idx.detach().clone())
                 return None
             ref_all = self.reference[name]
             start = self.cursor[name]
+            if again and ref_all is not None and start >= ref_all.shape[0]:
+                start = 0
             ref = None if ref_all is None else ref_all[start:start + idx.shape[0]]
             if ref is None or ref.shape != idx.shape:
                 raise VerifyError(f"router {name}: the deltafuse run routed {tuple(idx.shape)} tokens but the stock "
@@ -189,8 +200,9 @@ class _Routing:
             ref = ref.to(idx.device)
             differ = (idx.sort(-1).values != ref.sort(-1).values).any(-1)
             n = int(differ.sum())
-            self.counts[name][0] += n
-            self.counts[name][1] += idx.shape[0]
+            if not again:
+                self.counts[name][0] += n
+                self.counts[name][1] += idx.shape[0]
             if not (n and self.pin):
                 return None
             # the router's own formula (fp32 softmax, top-k renormalised unless norm_topk_prob is False),

@@ -175,3 +175,12 @@ def test_moe_verify_reports_routing():
     n_tokens = sum(sum(r) for r in verify.PACKED_ROWS)
     assert len(result.routing) == 4 and all(t == n_tokens for _, t in result.routing.values())
     assert "routing:" in result.format()
+
+
+def test_moe_verify_with_gradient_checkpointing_recomputes_the_same_routing():
+    model = build_model("tiny-moe", dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    result = verify.verify_model("tiny-moe", packed=True, dtype="bf16", model=model)
+    assert result.ok, result.format()
+    n_tokens = sum(sum(r) for r in verify.PACKED_ROWS)
+    assert all(t == n_tokens for _, t in result.routing.values())  # the recomputation is not counted twice

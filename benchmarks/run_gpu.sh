@@ -12,7 +12,8 @@
 #
 # Run from the repository root. Wheels in .whl/ (fla_core, einops) are installed for the gdn part only, so
 # that "stock" elsewhere is transformers' own torch fallback; a liger_kernel wheel there serves the blocks part.
-# Logs and JSON go under $OUT.
+# Logs and JSON go under $OUT. PACK_TO=/path/file.tgz also packs $OUT into one archive at the end (for
+# transports that bring back only a few files).
 set -uo pipefail
 OUT=${OUT:-./deltafuse-out}
 PARTS=" ${*:-all} "
@@ -68,5 +69,8 @@ if want long; then
   step "$OUT/train_moe8_64k.log" python3 -m deltafuse train --model moe8 --seq-len 65536 --max-steps 3 \
     --gradient-checkpointing --log-every 1 --no-progress --output-dir "$OUT/train_moe8_64k" --overwrite
   rm -rf "$OUT/train_moe8_64k"/checkpoint-* "$OUT/train_moe8_64k"/final
+fi
+if [[ -n ${PACK_TO:-} ]]; then
+  tar czf "$PACK_TO" -C "$OUT" . && echo "packed $OUT into $PACK_TO" || rc=1
 fi
 exit $rc

@@ -44,6 +44,9 @@ CPU_TOKENS = CPU_SIZES.tokens
 LIGER_OPS = ("rms_norm_zero_centered", "apply_rotary_pos_emb", "swiglu", "fused_linear_cross_entropy")
 # ops deltafuse routes only on some device types (elsewhere the model's own function runs, untouched)
 ROUTED_ONLY_ON = {"sdpa_attention": ("npu",)}
+# ops that only make sense inside a whole model step
+TIMED_ELSEWHERE = {"packed_causal_attention": "used by the sdpa route for long packed rows; its effect is a "
+                                              "whole-step effect: `deltafuse bench e2e --seq-len 16384`"}
 # inputs that never get a gradient (states the ops read, RoPE's tables)
 NO_GRAD = ("conv_state", "initial_state", "cos", "sin")
 
@@ -441,6 +444,9 @@ def case_of(op: str, shape, sizes: Sizes, dtype, device):
 
 def bench_one(op: str, shape, dtype, device, reps: int, fla_unguarded: bool, sizes: Sizes | None = None) -> list[dict]:
     sizes = sizes or CPU_SIZES
+    if op in TIMED_ELSEWHERE:
+        return [{"op": op, "dims": "-", "shape": [], "dtype": str(dtype).replace("torch.", ""),
+                 "impl": "deltafuse (inside the sdpa route)", "note": TIMED_ELSEWHERE[op]}]
     if op in ROUTED_ONLY_ON and device.type not in ROUTED_ONLY_ON[op]:
         return [{"op": op, "dims": "-", "shape": [], "dtype": str(dtype).replace("torch.", ""),
                  "impl": "transformers (not routed)",

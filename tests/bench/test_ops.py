@@ -19,6 +19,9 @@ def test_bench_ops_times_every_registry_op_against_stock_and_outputs_agree(tmp_p
         if op == "sdpa_attention":  # routed on npu devices only: said so, nothing timed
             assert len(impls) == 1 and "routed only on npu" in impls[0]["note"] and "error" not in impls[0]
             continue
+        if op == "packed_causal_attention":  # a whole-step effect: pointed to bench e2e
+            assert len(impls) == 1 and "bench e2e" in impls[0]["note"] and "error" not in impls[0]
+            continue
         assert impls[0]["impl"].startswith("deltafuse ("), impls
         assert any(r["impl"].startswith("transformers") for r in impls[1:]), impls  # the stock counterpart
         assert all(r["impl"].startswith(("deltafuse (", "transformers")) for r in impls), impls  # no CUDA here

@@ -24,6 +24,7 @@ first sequence, its final state is that of its last sequence).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
@@ -53,12 +54,16 @@ class Packing:
     seq_idx: [B, T] int64, the sequence of every token; ids grow along the flat B*T axis and differ between
         rows, so it serves both causal-conv1d's per-row convention and a flattened call.
     cu_seqlens: [N + 1] int32 offsets of the N sequences on the flat B*T axis.
+    block_causal: the attention mask transformers builds for this batch is exactly "causal within each
+        sequence" (no attention mask, no cache, position_ids restarting at these boundaries), so attention may
+        be computed sequence by sequence.
     """
 
     seq_idx: torch.Tensor
     cu_seqlens: torch.Tensor
     batch: int
     length: int
+    block_causal: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -212,11 +217,15 @@ def wrap_text_model_forward(original):
         packing = packing_from_kwargs(kwargs, batch, length, use_positions)
         if packing is None:
             return original(self, *args, **kwargs)
-        kwargs[PACKING_KWARG] = packing
+        explicit = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("seq_idx") is not None
         if position_ids is None and cache is None:
             # boundaries given only as cu_seq_lens_q / seq_idx: positions restart with every sequence (what
             # RoPE and transformers' packed attention mask need to treat each sequence as if alone)
             args = _set_argument(signature, args, kwargs, "position_ids", packing.positions())
+            explicit = False
+        # transformers' mask is block-causal exactly when it comes from these restarting positions alone
+        packing = dataclasses.replace(packing, block_causal=mask is None and cache is None and not explicit)
+        kwargs[PACKING_KWARG] = packing
         if cache is None and _argument(signature, args, kwargs, "use_cache") is not False:
             args = _set_argument(signature, args, kwargs, "use_cache", False)
         return original(self, *args, **kwargs)

@@ -308,19 +308,48 @@ def _routable_attention(module, is_causal, kwargs) -> bool:
     return bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
 
 
+# Packed rows at least this long get sequence-by-sequence attention instead of transformers' dense
+# block-causal mask: all T x T pairs cost ~16x the per-sequence work at 4096 tokens of ~250-token examples
+# and grow with T (~260x at 65,536); below it the per-sequence launches are not clearly cheaper.
+# Chosen from that arithmetic; not yet timed on a GPU.
+PACKED_ATTENTION_MIN_TOKENS = 8192
+
+
+def _packed_offsets(query, key, kwargs):
+    """The sequence offsets (host ints) when this call may be computed sequence by sequence, else None."""
+    from deltafuse.integrations.transformers.adapters import PACKING_KWARG
+    from deltafuse.ops._checks import host_offsets
+
+    packing = kwargs.get(PACKING_KWARG)
+    B, _, T, _ = query.shape
+    if (packing is None or not packing.block_causal or T < PACKED_ATTENTION_MIN_TOKENS
+            or key.shape[2] != T or (packing.batch, packing.length) != (B, T)):
+        return None
+    return host_offsets(packing.cu_seqlens)
+
+
 def wrap_sdpa_attention(original):
     """transformers' ``sdpa`` attention function: causal self-attention on npu tensors goes to the registry's
-    route (Ascend's fused kernel); every other call, and every other device, runs the original."""
+    route (Ascend's fused kernel); long packed rows whose mask is block-causal are computed sequence by
+    sequence; every other call runs the original."""
 
     @functools.wraps(original)
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                is_causal=None, **kwargs):
-        if query.device.type == "npu" and _routable_attention(module, is_causal, kwargs):
-            from deltafuse.ops.attention import sdpa_route
+        if _routable_attention(module, is_causal, kwargs):
+            if query.device.type == "npu":
+                from deltafuse.ops.attention import sdpa_route
 
-            impl = sdpa_route(query, key, value)
-            if impl is not None:
-                return impl(query, key, value, attention_mask, dropout, scaling, True), None
+                impl = sdpa_route(query, key, value)
+                if impl is not None:
+                    return impl(query, key, value, attention_mask, dropout, scaling, True), None
+            else:
+                offsets = _packed_offsets(query, key, kwargs)
+                if offsets is not None:
+                    from deltafuse.ops.attention import packed_attention
+
+                    impl = packed_attention(query, key, value)
+                    return impl(query, key, value, offsets, scaling, dropout), None
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, **kwargs)
 

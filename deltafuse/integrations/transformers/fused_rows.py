@@ -34,7 +34,8 @@ def fused_routes(rms_norm: str, rms_norm_gated: str, mlp: str, causal_lm: str, a
         # transformers' "sdpa" attention function (shared by every model that selects sdpa)
         Route("fused_ops", "mapping", attention, "sdpa", f.wrap_sdpa_attention, wrap=True, mapping=ATTENTION_MAPPING,
               note="causal self-attention on npu tensors through the registry's route (Ascend's fused kernel); "
-                   "other devices and calls run transformers' function"),
+                   f"packed rows of >= {f.PACKED_ATTENTION_MIN_TOKENS} tokens sequence by sequence; other calls "
+                   "run transformers' function"),
     )
 
 

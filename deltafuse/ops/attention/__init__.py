@@ -1,7 +1,8 @@
 """Attention routes for transformers' attention interface.
 
-Not a public op: transformers' own attention functions serve every device that has no route here. Today the
-only route is Ascend's fused attention kernel (``npu.sdpa_npu``) for npu tensors.
+Not public ops: transformers' own attention functions serve every call that has no route here. The routes:
+Ascend's fused attention kernel (``npu.sdpa_npu``) for npu tensors, and sequence-by-sequence causal attention
+(``packed.causal_attention_by_sequence``) for long packed rows whose mask is block-causal.
 """
 
 from __future__ import annotations
@@ -19,3 +20,11 @@ def sdpa_route(query, key, value):
 
     impl = backends.select(SDPA, backends.call_info(query, key, value))
     return None if impl is stock_attention else impl
+
+
+def packed_attention(query, key, value):
+    """The registry's implementation of sequence-by-sequence causal attention for these tensors."""
+    from deltafuse import backends
+    from deltafuse.backends.attention import PACKED_ATTENTION
+
+    return backends.select(PACKED_ATTENTION, backends.call_info(query, key, value))

@@ -47,6 +47,17 @@ ROUTED_ONLY_ON = {"sdpa_attention": ("npu",)}
 # ops that only make sense inside a whole model step
 TIMED_ELSEWHERE = {"packed_causal_attention": "used by the sdpa route for long packed rows; its effect is a "
                                               "whole-step effect: `deltafuse bench e2e --seq-len 16384`"}
+
+
+def untimed(op: str, device) -> tuple[str, str] | None:
+    """(impl label, note) of an op this benchmark does not time on ``device``, else None."""
+    if op in TIMED_ELSEWHERE:
+        return "deltafuse (inside the sdpa route)", TIMED_ELSEWHERE[op]
+    if op in ROUTED_ONLY_ON and device.type not in ROUTED_ONLY_ON[op]:
+        return "transformers (not routed)", (f"routed only on {', '.join(ROUTED_ONLY_ON[op])} devices; "
+                                             f"transformers' own function serves {device.type}, so there is "
+                                             "nothing to compare")
+    return None
 # inputs that never get a gradient (states the ops read, RoPE's tables)
 NO_GRAD = ("conv_state", "initial_state", "cos", "sin")
 
@@ -444,14 +455,10 @@ def case_of(op: str, shape, sizes: Sizes, dtype, device):
 
 def bench_one(op: str, shape, dtype, device, reps: int, fla_unguarded: bool, sizes: Sizes | None = None) -> list[dict]:
     sizes = sizes or CPU_SIZES
-    if op in TIMED_ELSEWHERE:
+    skip = untimed(op, device)
+    if skip is not None:
         return [{"op": op, "dims": "-", "shape": [], "dtype": str(dtype).replace("torch.", ""),
-                 "impl": "deltafuse (inside the sdpa route)", "note": TIMED_ELSEWHERE[op]}]
-    if op in ROUTED_ONLY_ON and device.type not in ROUTED_ONLY_ON[op]:
-        return [{"op": op, "dims": "-", "shape": [], "dtype": str(dtype).replace("torch.", ""),
-                 "impl": "transformers (not routed)",
-                 "note": f"routed only on {', '.join(ROUTED_ONLY_ON[op])} devices; transformers' own function "
-                         f"serves {device.type}, so there is nothing to compare"}]
+                 "impl": skip[0], "note": skip[1]}]
     dims, dims_shape, inputs, impls = case_of(op, shape, sizes, dtype, device)
     base = {"op": op, "dims": dims or "-", "shape": dims_shape, "dtype": str(dtype).replace("torch.", "")}
     if inputs is None:  # an op registered after this benchmark was written

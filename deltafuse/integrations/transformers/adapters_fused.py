@@ -28,6 +28,8 @@ import inspect
 import torch
 
 from deltafuse import ops
+from deltafuse.integrations.transformers.adapters import PACKING_KWARG
+from deltafuse.ops._checks import host_offsets
 
 # Keyword a caller passes to a patched ``*ForCausalLM.forward`` to get the logits with the loss.
 LOGITS_KWARG = "deltafuse_logits"
@@ -317,9 +319,6 @@ PACKED_ATTENTION_MIN_TOKENS = 8192
 
 def _packed_offsets(query, key, kwargs):
     """The sequence offsets (host ints) when this call may be computed sequence by sequence, else None."""
-    from deltafuse.integrations.transformers.adapters import PACKING_KWARG
-    from deltafuse.ops._checks import host_offsets
-
     packing = kwargs.get(PACKING_KWARG)
     B, _, T, _ = query.shape
     if (packing is None or not packing.block_causal or T < PACKED_ATTENTION_MIN_TOKENS

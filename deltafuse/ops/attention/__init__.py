@@ -13,18 +13,22 @@ def stock_attention(*args, **kwargs):
     raise RuntimeError("stock_attention is a marker: the caller runs transformers' own attention function")
 
 
+def _select(op: str, query, key, value):
+    from deltafuse import backends
+
+    return backends.select(op, backends.call_info(query, key, value))
+
+
 def sdpa_route(query, key, value):
     """The registry's SDPA implementation for these tensors, or None where transformers' own function serves."""
-    from deltafuse import backends
     from deltafuse.backends.attention import SDPA
 
-    impl = backends.select(SDPA, backends.call_info(query, key, value))
+    impl = _select(SDPA, query, key, value)
     return None if impl is stock_attention else impl
 
 
 def packed_attention(query, key, value):
     """The registry's implementation of sequence-by-sequence causal attention for these tensors."""
-    from deltafuse import backends
     from deltafuse.backends.attention import PACKED_ATTENTION
 
-    return backends.select(PACKED_ATTENTION, backends.call_info(query, key, value))
+    return _select(PACKED_ATTENTION, query, key, value)

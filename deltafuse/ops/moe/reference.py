@@ -12,11 +12,12 @@ ours), one grouped matmul for down, and the weighted sum over each token's k slo
 [1, k] x [k, H] product per token (deterministic; no atomics).
 
 Backward: only the gate_up output [S, 2I] is kept (plus the sort permutation and offsets; the hidden states
-and weights are inputs). The hidden-state gradient is formed before the gate_up weight gradient and summed
-over each token's k slots one slot at a time, so no [S, H] buffer coexists with that [E, 2I, H] gradient. The gathered hidden rows and SiLU * up are recomputed; the down projection output is
-never needed because the routing-weight gradient is computed as <dout_n @ down[e], silu(gate) * up>, i.e.
-from the same [S, I] product that feeds the rest of the backward. The stock grouped path keeps the gathered
-hidden rows, the down output, the activation and its product (two [S, H] and two [S, I] tensors more).
+and weights are inputs). The hidden-state gradient is formed before the gate_up weight gradient, so no [S, H]
+buffer of it coexists with that [E, 2I, H] gradient (the backward's peak). The gathered hidden rows and
+SiLU * up are recomputed; the down projection output is never needed because the routing-weight gradient is
+computed as <dout_n @ down[e], silu(gate) * up>, i.e. from the same [S, I] product that feeds the rest of
+the backward. The stock grouped path keeps the gathered hidden rows, the down output, the activation and its
+product (two [S, H] and two [S, I] tensors more).
 
 Grouped matmuls use ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` when a one-time probe says
 they work for the device and dtype and the call's strides are 16-byte aligned; otherwise a loop over
@@ -212,16 +213,12 @@ class _MoeExperts(torch.autograd.Function):
             dgu = torch.cat([dgate, dup], dim=-1)
             del dgate, dup
             if need_h:
-                # before the [E, 2I, H] weight gradient exists; the k slots of each token are summed one at
-                # a time in a fixed order (deterministic, and no permuted [S, H] copy of dx)
-                dx = mats.mm(dgu, gate_up, plan.offs)
-                slot = plan.inverse().view(n, plan.k)
-                acc = dx[slot[:, 0]].to(ct)
-                for j in range(1, plan.k):
-                    acc += dx[slot[:, j]]
+                # before the [E, 2I, H] weight gradient exists, so that its [S, H] temporaries (the data
+                # gradient and its copy in token order) are freed by then; summed over each token's k slots
+                # in one reduction (deterministic)
+                dx = mats.mm(dgu, gate_up, plan.offs)[plan.inverse()]
+                d_hidden = dx.view(n, plan.k, hdim).sum(1, dtype=ct).to(dt)
                 del dx
-                d_hidden = acc.to(dt)
-                del acc
             if need_gu:
                 d_gu = mats.wgrad(dgu, hidden[plan.token], plan.offs)
         return d_hidden, d_w, d_gu, d_down, None, None, None

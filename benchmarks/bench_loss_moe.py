@@ -4,7 +4,8 @@ Loss path (hidden 2,048, vocab 248,320, bf16, random data) at 4,096 and 16,384 t
 (LoRA training) and a trainable head:
   stock   lm_head (F.linear) + transformers' ForCausalLMLoss
   liger   Liger-Kernel's fused linear cross-entropy (when ``liger_kernel`` imports)
-  ours    deltafuse.ops.cross_entropy with backend 'triton' and 'torch'
+  ours    deltafuse.ops.cross_entropy with backend 'triton' and 'torch', by default (vocabulary blocks) and
+          with whole-vocabulary token chunks, plus the block sizes given by --blocks
 Experts at Qwen3.5-35B-A3B sizes (256 experts, top-8, I = 512, H = 2,048), 4,096 tokens, bf16:
   stock   transformers' Qwen3_5MoeExperts with experts_implementation 'grouped_mm'
   ours    the same module served by deltafuse.ops.moe through the experts interface
@@ -45,9 +46,12 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=SIZES.hidden)
     p.add_argument("--vocab", type=int, default=SIZES.vocab)
     p.add_argument("--head", choices=["frozen", "trainable", "both"], default="both")
-    p.add_argument("--chunk-sizes", type=int, nargs="*", default=[128, 512, 2048],
-                   help="also time the Triton loss at these chunk sizes (tokens per chunk), to tune the default "
-                        "(default: %(default)s; give the flag alone for none)")
+    p.add_argument("--chunk-sizes", type=int, nargs="*", default=[],
+                   help="also time the Triton loss with whole-vocabulary chunks of these many tokens "
+                        "(default: none)")
+    p.add_argument("--blocks", nargs="*", default=["512x4096", "2048x4096", "1024x2048", "1024x8192"],
+                   help="also time the Triton loss with these TOKENSxCOLUMNS vocabulary blocks, to tune the "
+                        "default (default: %(default)s; give the flag alone for none)")
     p.add_argument("--moe-tokens", type=int, default=SIZES.tokens)
     p.add_argument("--experts", type=int, default=SIZES.num_experts)
     p.add_argument("--top-k", type=int, default=SIZES.experts_per_token)
@@ -62,6 +66,12 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(c < 1 for c in args.chunk_sizes):
         p.error(f"--chunk-sizes must all be >= 1, got {args.chunk_sizes}")
+    try:
+        args.blocks = [tuple(int(x) for x in b.lower().split("x", 1)) for b in args.blocks]
+    except ValueError:
+        p.error(f"--blocks must be TOKENSxCOLUMNS pairs such as 1024x4096, got {args.blocks}")
+    if any(len(b) != 2 or min(b) < 1 for b in args.blocks):
+        p.error(f"--blocks must be TOKENSxCOLUMNS pairs of positive ints, got {args.blocks}")
     if any(t < 2 for t in args.tokens):
         p.error(f"--tokens must all be >= 2, got {args.tokens}")
     if args.top_k > args.experts:
@@ -147,34 +157,40 @@ def _loss_cases(args):
             def stock():
                 ForCausalLMLoss(F.linear(hidden, weight), labels, V).backward()
 
-            def ours(backend, chunk=None):
-                return lambda: fused_linear_cross_entropy(hidden, weight, labels, backend=backend,
-                                                          chunk_size=chunk).backward()
+            def ours(**cfg):
+                return lambda: fused_linear_cross_entropy(hidden, weight, labels, **cfg).backward()
 
-            impls = [("stock", stock), ("deltafuse-triton", ours("triton")), ("deltafuse-torch", ours("torch"))]
-            impls += [(f"deltafuse-triton-c{c}", ours("triton", c)) for c in args.chunk_sizes]
+            # (name, fn, the op's arguments for the loss check)
+            configs = [("deltafuse-triton", dict(backend="triton")),
+                       ("deltafuse-triton-wholevocab", dict(backend="triton", vocab_chunk_size=V)),
+                       ("deltafuse-torch", dict(backend="torch")),
+                       ("deltafuse-torch-wholevocab", dict(backend="torch", vocab_chunk_size=V))]
+            configs += [(f"deltafuse-triton-wholevocab-c{c}", dict(backend="triton", vocab_chunk_size=V,
+                                                                    chunk_size=c)) for c in args.chunk_sizes]
+            configs += [(f"deltafuse-triton-c{c}-v{v}", dict(backend="triton", chunk_size=c, vocab_chunk_size=v))
+                        for c, v in args.blocks]
+            impls = [("stock", stock, None)] + [(name, ours(**cfg), cfg) for name, cfg in configs]
             try:
                 liger = liger_fused_linear_cross_entropy(ignore_index=-100)
 
                 def liger_fn():
                     liger(hidden, weight, labels).backward()
 
-                impls.insert(1, ("liger", liger_fn))
+                impls.insert(1, ("liger", liger_fn, None))
             except Exception as exc:  # noqa: BLE001
                 rows.append({"bench": "loss", "tokens": n, "head": head, "impl": "liger",
                              "error": f"not run: {type(exc).__name__}: {exc}"})
             with torch.no_grad():
                 ref = float(ForCausalLMLoss(F.linear(hidden, weight), labels, V))
-            for name, fn in impls:
+            for name, fn, cfg in impls:
                 row = {"bench": "loss", "tokens": n, "head": head, "impl": name}
                 try:
                     ms, peak = _measure(fn, leaves, args.rep)
                     row.update(ms=ms, peak_mib=peak)
-                    if name.startswith("deltafuse"):
-                        with torch.no_grad():
-                            got = float(fused_linear_cross_entropy(hidden, weight, labels,
-                                                                   backend=name.split("-")[1]))
-                        row["chunk_size"] = int(name.split("-c")[1]) if "-c" in name else "default"
+                    if cfg is not None:
+                        got = float(fused_linear_cross_entropy(hidden, weight, labels, **cfg).detach())
+                        row["chunk_size"] = cfg.get("chunk_size", "default")
+                        row["vocab_chunk_size"] = cfg.get("vocab_chunk_size", "default")
                         row["loss_abs_diff_vs_stock"] = abs(got - ref)
                 except Exception as exc:  # noqa: BLE001  (e.g. out of memory): record and go on
                     row["error"] = f"{type(exc).__name__}: {exc}"
@@ -262,7 +278,7 @@ def _table(rows):
             note = f"|loss - stock| = {r['loss_abs_diff_vs_stock']:.2e}"
         if "rel_rms_vs_stock" in r:
             note = "rel_rms vs stock: " + ", ".join(f"{k} {v:.1e}" for k, v in r["rel_rms_vs_stock"].items())
-        lines.append(f"{r['bench']:<12} {r['tokens']:>7} {case:<10} {r['impl']:<18} {ms:>9} {peak:>10}  {note}")
+        lines.append(f"{r['bench']:<12} {r['tokens']:>7} {case:<10} {r['impl']:<32} {ms:>9} {peak:>10}  {note}")
     return "\n".join(lines)
 
 
@@ -273,7 +289,8 @@ def main(argv=None) -> int:
 
     _register_ops()
     plan = ([f"loss: tokens={t} hidden={args.hidden} vocab={args.vocab} head={args.head} "
-             f"extra Triton chunk sizes={args.chunk_sizes}" for t in args.tokens]
+             f"extra Triton whole-vocabulary chunks={args.chunk_sizes} vocabulary blocks="
+             f"{['x'.join(map(str, b)) for b in args.blocks]}" for t in args.tokens]
             if not args.skip_loss else []) + \
         ([f"experts: tokens={args.moe_tokens} E={args.experts} top-{args.top_k} I={args.moe_intermediate} "
           f"H={args.hidden}"] if not args.skip_moe else [])

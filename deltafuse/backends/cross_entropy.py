@@ -14,10 +14,10 @@ def register(registry: Registry) -> None:
     registry.register(FUSED_LINEAR_CROSS_ENTROPY, Candidate(
         "triton", load_attr(KERNEL, "fused_linear_cross_entropy_triton"), triton_available(KERNEL), triton_supports,
         auto_skip=triton_auto_skip,
-        note="chunked head projection (cuBLAS) + deltafuse's Triton softmax/gradient written over the logits "
-             "in place; no [tokens, vocab] tensor"))
+        note="head projection (cuBLAS) in token chunks x vocabulary blocks + deltafuse's Triton online "
+             "softmax/gradient written over each block in place; no [tokens, vocab] tensor"))
     registry.register(FUSED_LINEAR_CROSS_ENTROPY, Candidate(
         "torch", load_attr("deltafuse.ops.cross_entropy.reference", "fused_linear_cross_entropy_torch"),
         supports=torch_supports,
-        note="chunked head projection + fp32 softmax in torch, gradients computed chunk by chunk in the "
-             "forward (any device)"))
+        note="head projection in token chunks x vocabulary blocks + fp32 online softmax in torch, gradients "
+             "computed block by block in the forward (any device)"))

@@ -7,6 +7,7 @@ CUDA: bf16 at Qwen3.5's vocabulary.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -57,7 +58,7 @@ def _compare(hidden, weight, bias, labels, tol, backend, **kw):
     loss = fl(hidden, weight, labels, bias=bias, backend=backend, **kw)
     leaves = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None
               for t in (hidden, weight, bias)]
-    kw_ref = {k: v for k, v in kw.items() if k != "chunk_size"}
+    kw_ref = {k: v for k, v in kw.items() if k not in ("chunk_size", "vocab_chunk_size")}
     ref = naive_linear_cross_entropy(leaves[0], leaves[1], labels, bias=leaves[2], **kw_ref)
     assert loss.dtype == torch.promote_types(hidden.dtype, torch.float32)
     if torch.isnan(ref):
@@ -93,15 +94,22 @@ def _labels_case(labels, case, V, ignore=-100):
 CASES = ["plain", "ignored", "single_valid", "all_ignored"]
 KWARGS = [dict(), dict(reduction="sum"), dict(num_items_in_batch=11), dict(num_items_in_batch=torch.tensor(5)),
           dict(shift=False)]
+# None: the small test vocabularies are projected whole (token chunks); 6: vocabulary blocks of 6 columns
+# (V is not a multiple of it)
+VOCAB_CHUNKS = pytest.mark.parametrize("vc", [None, 6], ids=["whole_vocab", "vocab_blocks"])
 
 
 # --- torch reference vs float64 ------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kw", KWARGS, ids=["mean", "sum", "num_items_int", "num_items_tensor", "noshift"])
-def test_torch_matches_float64(case, kw):
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_head", "frozen_head"])
+@VOCAB_CHUNKS
+def test_torch_matches_float64(case, kw, frozen, vc):
     B, T, H, V = 2, 7, 16, 37  # V and the 14 tokens are not multiples of the chunk (5)
-    hidden, weight, bias, labels = _inputs(B, T, H, V, bias=True)
-    _compare(hidden, weight, bias, _labels_case(labels, case, V), 2e-6, "torch", chunk_size=5, **kw)
+    hidden, weight, bias, labels = _inputs(B, T, H, V, bias=not frozen)
+    weight.requires_grad_(not frozen)
+    _compare(hidden, weight, bias, _labels_case(labels, case, V), 2e-6, "torch", chunk_size=5,
+             vocab_chunk_size=vc, **kw)
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 3, 14, 1000])
@@ -111,17 +119,22 @@ def test_chunk_size_does_not_change_the_result(chunk):
     _compare(hidden, weight, None, labels, 2e-6, "torch", chunk_size=chunk)
 
 
-def test_float64_inputs_are_computed_in_float64():
+@VOCAB_CHUNKS
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_head", "frozen_head"])
+def test_float64_inputs_are_computed_in_float64(vc, frozen):
     hidden, weight, bias, labels = _inputs(1, 9, 8, 21, bias=True, dtype=torch.float64, device="cpu")
-    _compare(hidden, weight, bias, labels, 1e-12, "torch", chunk_size=4)
+    weight.requires_grad_(not frozen)
+    bias.requires_grad_(not frozen)
+    _compare(hidden, weight, bias, labels, 1e-12, "torch", chunk_size=4, vocab_chunk_size=vc)
 
 
-def test_custom_ignore_index_and_frozen_weight():
+@VOCAB_CHUNKS
+def test_custom_ignore_index_and_frozen_weight(vc):
     hidden, weight, _, labels = _inputs(2, 6, 8, 19, seed=3)
     weight.requires_grad_(False)
-    labels[0, 1] = labels[1, 4] = 7
+    labels[0, 1] = labels[1, 4] = 7  # 7 lies inside the vocabulary (and inside the second block of 6)
     fl = _api()
-    loss = fl(hidden, weight, labels, ignore_index=7, chunk_size=4)
+    loss = fl(hidden, weight, labels, ignore_index=7, chunk_size=4, vocab_chunk_size=vc)
     h64 = hidden.detach().double().requires_grad_()
     ref = naive_linear_cross_entropy(h64, weight.double(), labels, ignore_index=7)
     assert_rel_close(loss.reshape(1), ref.reshape(1), 2e-6, "loss")
@@ -130,10 +143,14 @@ def test_custom_ignore_index_and_frozen_weight():
     assert weight.grad is None
 
 
-def test_all_ignored_matches_stock_nan_and_zero_gradients():
+@VOCAB_CHUNKS
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_head", "frozen_head"])
+def test_all_ignored_matches_stock_nan_and_zero_gradients(vc, frozen):
     hidden, weight, bias, labels = _inputs(1, 5, 8, 13, bias=True)
+    weight.requires_grad_(not frozen)
+    bias.requires_grad_(not frozen)
     labels.fill_(-100)
-    fl = _api()
+    fl = functools.partial(_api(), vocab_chunk_size=vc)
     loss = fl(hidden, weight, labels, bias=bias)
     assert torch.isnan(loss)
     for g in _grads(loss, (hidden, weight, bias)):
@@ -142,20 +159,22 @@ def test_all_ignored_matches_stock_nan_and_zero_gradients():
     assert float(fl(hidden, weight, labels, reduction="sum").detach()) == 0.0
 
 
-def test_gradient_is_scaled_by_the_incoming_gradient():
+@VOCAB_CHUNKS
+def test_gradient_is_scaled_by_the_incoming_gradient(vc):
     hidden, weight, bias, labels = _inputs(2, 5, 8, 17, bias=True, seed=4)
-    fl = _api()
-    g1 = _grads(fl(hidden, weight, labels, bias=bias, chunk_size=3), (hidden, weight, bias))
-    g3 = _grads(-2.5 * fl(hidden, weight, labels, bias=bias, chunk_size=3), (hidden, weight, bias))
+    fl = functools.partial(_api(), vocab_chunk_size=vc, chunk_size=3)
+    g1 = _grads(fl(hidden, weight, labels, bias=bias), (hidden, weight, bias))
+    g3 = _grads(-2.5 * fl(hidden, weight, labels, bias=bias), (hidden, weight, bias))
     for a, b in zip(g1, g3):
         assert_rel_close(b, -2.5 * a, 1e-6)
 
 
-def test_backward_twice_with_retained_graph_accumulates_correctly():
+@VOCAB_CHUNKS
+def test_backward_twice_with_retained_graph_accumulates_correctly(vc):
     """The precomputed gradients are handed over unscaled for an incoming 1: a second backward must still add
     the same amount (nothing saved was modified in place)."""
     hidden, weight, bias, labels = _inputs(2, 5, 8, 17, bias=True, seed=15)
-    loss = _api()(hidden, weight, labels, bias=bias, chunk_size=4)
+    loss = _api()(hidden, weight, labels, bias=bias, chunk_size=4, vocab_chunk_size=vc)
     loss.backward(retain_graph=True)
     first = [t.grad.clone() for t in (hidden, weight, bias)]
     loss.backward()
@@ -212,6 +231,78 @@ def test_nothing_of_size_tokens_by_vocab_is_saved_or_built():
     assert_rel_close(loss.reshape(1), ref.reshape(1), 2e-6)
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_head", "frozen_head"])
+def test_vocabulary_blocks_build_nothing_wider_than_a_block(frozen):
+    """With vocabulary blocks no logits tile is wider than the block or taller than the chunk, nothing of
+    size tokens x vocab is saved, and a frozen head projects every block once, a trainable one twice."""
+    N, H, V, chunk, block = 64, 8, 1024, 16, 100
+    hidden, weight, bias, labels = _inputs(1, N, H, V, bias=True, seed=6)
+    weight.requires_grad_(not frozen)
+    bias.requires_grad_(not frozen)
+    shapes = {"online": [], "grad": []}
+
+    def online(logits, *args):
+        shapes["online"].append(tuple(logits.shape))
+        return reference.online_block_step_torch(logits, *args)
+
+    def grad(logits, *args):
+        shapes["grad"].append(tuple(logits.shape))
+        return reference.block_grad_step_torch(logits, *args)
+
+    saved = []
+    targets = torch.cat([labels[0, 1:], labels.new_full((1,), -100)])
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel()), t)[1], lambda t: t):
+        loss = reference.fused_linear_cross_entropy_blocked(hidden.reshape(N, H), weight, bias, targets, -100,
+                                                            "mean", None, chunk, block,
+                                                            reference.BlockSteps(online, grad))
+    blocks = -(-V // block) * (N // chunk)
+    assert len(shapes["online"]) == blocks and len(shapes["grad"]) == (0 if frozen else blocks)
+    assert all(c <= chunk and w <= block for c, w in shapes["online"] + shapes["grad"])
+    assert saved and max(saved) < N * V
+    ref = naive_linear_cross_entropy(hidden.detach().double().requires_grad_(), weight.detach().double(), labels,
+                                     bias=bias.detach().double())
+    assert_rel_close(loss.reshape(1), ref.reshape(1), 2e-6)
+
+
+def test_vocabulary_block_rule():
+    """By default only a frozen head with the Triton steps and a vocabulary above 8,192 gets 8,192-column
+    blocks; logits always use whole-vocabulary chunks; an explicit size below V splits, one at or above V
+    projects the whole vocabulary."""
+    def rule(vocab, size=None, logits=False, trainable=False, triton=True):
+        return reference.blocked_vocab_chunk(vocab, size, logits, trainable, triton)
+
+    assert rule(248320) == 8192 and rule(8193) == 8192 and rule(8192) is None and rule(97) is None
+    assert rule(248320, trainable=True) is None and rule(248320, triton=False) is None
+    assert rule(248320, logits=True) is None and rule(248320, 4096, logits=True) is None
+    assert rule(248320, 4096, trainable=True, triton=False) == 4096
+    assert rule(97, 96) == 96 and rule(97, 97) is None and rule(97, 1000) is None
+
+
+@pytest.mark.parametrize("backend,trainable,blocked", [("triton", False, True), ("triton", True, False),
+                                                       ("torch", False, False)])
+def test_default_way_per_backend_and_head(backend, trainable, blocked, monkeypatch):
+    """The public op's default follows the rule: vocabulary blocks for a frozen head on the Triton steps."""
+    if backend == "triton":
+        _kernel()
+    monkeypatch.setattr(reference, "VOCAB_CHUNK", 8)  # the test vocabulary (37) counts as large
+    hidden, weight, _, labels = _inputs(1, 6, 8, 37, seed=22)
+    weight.requires_grad_(trainable)
+    ways = []
+    monkeypatch.setattr(reference, "_blocked_pass", _spy(reference._blocked_pass, ways, "blocked"))
+    monkeypatch.setattr(reference, "_chunked_pass", _spy(reference._chunked_pass, ways, "chunked"))
+    loss = _api()(hidden, weight, labels, backend=backend)
+    assert ways == ["blocked" if blocked else "chunked"]
+    ref = naive_linear_cross_entropy(hidden.detach().double(), weight.detach().double(), labels)
+    assert_rel_close(loss.reshape(1), ref.reshape(1), 2e-6)
+
+
+def _spy(fn, log, name):
+    def run(*args, **kwargs):
+        log.append(name)
+        return fn(*args, **kwargs)
+    return run
+
+
 def test_public_op_through_a_model_graph_saves_no_logits():
     """The same property through the public op inside a larger graph (a linear layer before the head)."""
     N, H, V = 48, 8, 2048
@@ -227,7 +318,8 @@ def test_public_op_through_a_model_graph_saves_no_logits():
 
 # --- tied embeddings -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("trainable", [False, True])
-def test_tied_embedding(trainable):
+@VOCAB_CHUNKS
+def test_tied_embedding(trainable, vc):
     """weight is the input embedding: frozen -> only hidden (and what made it) gets a gradient; trainable ->
     the weight's gradient sums the embedding and head paths."""
     gen = torch.Generator().manual_seed(8)
@@ -242,7 +334,7 @@ def test_tied_embedding(trainable):
         hidden = torch.tanh(F.embedding(ids, e) @ m)
         return fn(hidden, e)
 
-    loss = run(emb, mix, lambda h, e: _api()(h, e, labels, chunk_size=4))
+    loss = run(emb, mix, lambda h, e: _api()(h, e, labels, chunk_size=4, vocab_chunk_size=vc))
     emb64 = emb.detach().double().requires_grad_(trainable)
     mix64 = mix.detach().double().requires_grad_()
     ref = run(emb64, mix64, lambda h, e: naive_linear_cross_entropy(h, e, labels))
@@ -283,13 +375,59 @@ def test_triton_chunk_step_matches_torch(V):
     assert none is None and torch.equal(r2, r)
 
 
+@pytest.mark.parametrize("w,v0", [(1, 0), (37, 30), (1500, 700)])
+@pytest.mark.parametrize("hdim", [None, 5, 1100], ids=["no_acc", "acc5", "acc1100"])
+def test_triton_block_steps_match_torch(w, v0, hdim):
+    """The online step (running max / sum / target logit; with an accumulator: its rescaling and the
+    probabilities in place) and the gradient step, for a block of w columns starting at v0, against the torch
+    steps; targets inside and outside the block, an ignored row, and a row whose logits jump by 80 (the
+    running maximum must move)."""
+    k = _kernel()
+    gen = torch.Generator().manual_seed(w + v0)
+    x = (3 * torch.randn(6, w, generator=gen)).to(DEVICE)
+    x[2, :] += 80.0
+    t = (v0 + torch.randint(0, w, (6,), generator=gen)).to(DEVICE)
+    t[1] = -100
+    t[4] = v0 + w + 3  # outside the block
+    t[5] = max(v0 - 1, 0) if v0 else v0 + w  # just before (or after) the block
+    stats = [torch.randn(6, generator=gen).to(DEVICE), (1 + torch.rand(6, generator=gen)).to(DEVICE),
+             torch.randn(6, generator=gen).to(DEVICE)]
+    stats[0][3] = float("-inf")  # a row seeing its first block
+    stats[0][0] = x[0].max() + 1.0  # a row whose maximum does not move (its accumulator stays as it is)
+    acc = torch.randn(6, hdim, generator=gen).to(DEVICE) if hdim else None
+    ref_stats = [s.clone() for s in stats]
+    ref_acc = acc.clone() if hdim else None
+    p_ref = reference.online_block_step_torch(x.clone(), t, v0, -100, *ref_stats, ref_acc)
+    buf = x.clone()
+    p = k.online_block_step_triton(buf, t, v0, -100, *stats, acc)
+    for name, got, want in zip(("max", "sum", "target logit"), stats, ref_stats):
+        assert_rel_close(got, want, 1e-6, name)
+    if hdim:
+        assert p.data_ptr() == buf.data_ptr(), "the probabilities are written over the logits in place"
+        assert_rel_close(p, p_ref, 1e-6, "probabilities")
+        assert_rel_close(acc, ref_acc, 1e-6, "rescaled accumulator")
+    else:
+        assert p is None and p_ref is None and torch.equal(buf, x)
+    lse = torch.logsumexp(x, 1) + torch.rand(6, generator=gen).to(DEVICE)
+    scale = torch.tensor([0.5, 0.0, 0.25, 1.0, 2.0, 0.5], device=DEVICE)
+    g_ref = reference.block_grad_step_torch(x.clone(), t, v0, -100, lse, scale)
+    buf = x.clone()
+    g = k.block_grad_step_triton(buf, t, v0, -100, lse, scale)
+    assert g.data_ptr() == buf.data_ptr()
+    assert_rel_close(g, g_ref, 1e-6, "block gradient")
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kw", KWARGS[:3], ids=["mean", "sum", "num_items"])
-def test_triton_backend_matches_float64(case, kw):
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_head", "frozen_head"])
+@VOCAB_CHUNKS
+def test_triton_backend_matches_float64(case, kw, frozen, vc):
     _kernel()
     B, T, H, V = 2, 6, 16, 45
-    hidden, weight, bias, labels = _inputs(B, T, H, V, bias=True, seed=10)
-    _compare(hidden, weight, bias, _labels_case(labels, case, V), 2e-6, "triton", chunk_size=5, **kw)
+    hidden, weight, bias, labels = _inputs(B, T, H, V, bias=not frozen, seed=10)
+    weight.requires_grad_(not frozen)
+    _compare(hidden, weight, bias, _labels_case(labels, case, V), 2e-6, "triton", chunk_size=5,
+             vocab_chunk_size=vc, **kw)
 
 
 # --- parity with transformers ---------------------------------------------------------------------------
@@ -362,6 +500,8 @@ def test_candidate_rules():
     (lambda h, w, l: _api()(h, w, l, num_items_in_batch=-1), r"num_items_in_batch must be .* got -1"),
     (lambda h, w, l: _api()(h, w, l, num_items_in_batch=torch.ones(2)), r"num_items_in_batch must be .*shape \(2,\)"),
     (lambda h, w, l: _api()(h, w, l, chunk_size=0), r"chunk_size must be None or an int >= 1, got 0"),
+    (lambda h, w, l: _api()(h, w, l, vocab_chunk_size=2.0),
+     r"vocab_chunk_size must be None or an int >= 1, got 2.0"),
     (lambda h, w, l: _api()(h, w, l, ignore_index=1.5), r"ignore_index must be an int, got 1.5"),
     (lambda h, w, l: _api()(h, w, l, bias=torch.zeros(4)), r"bias must be \[V\] = \(13,\).*got \(4,\)"),
     (lambda h, w, l: _api()(h, w, l + 13), r"labels must lie in \[0, 13\) or equal ignore_index=-100, got 1[3-9]"),
@@ -378,26 +518,46 @@ def test_argument_errors_name_argument_value_and_allowed(call, match):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_gpu_bf16_matches_transformers_at_full_vocab(backend):
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_head", "frozen_head"])
+@pytest.mark.parametrize("vc", [None, 4096, 248320], ids=["default", "vocab_blocks", "whole_vocab"])
+def test_gpu_bf16_matches_transformers_at_full_vocab(backend, frozen, vc):
     hf_loss = _hf_loss()
     N, H, V = 2048, 2048, 248320
     hidden, weight, _, labels = _inputs(1, N, H, V, dtype=torch.bfloat16, device="cuda", seed=13)
+    weight.requires_grad_(not frozen)
     labels[0, ::7] = -100
+    leaves = (hidden,) if frozen else (hidden, weight)
     stock = hf_loss(F.linear(hidden, weight), labels, V)
-    g_stock = torch.autograd.grad(stock, (hidden, weight))
-    ours = _api()(hidden, weight, labels, backend=backend)
-    g_ours = torch.autograd.grad(ours, (hidden, weight))
+    g_stock = torch.autograd.grad(stock, leaves)
+    ours = _api()(hidden, weight, labels, backend=backend, vocab_chunk_size=vc)
+    g_ours = torch.autograd.grad(ours, leaves)
     assert abs(float(ours.detach()) - float(stock.detach())) <= 2e-3 * abs(float(stock.detach()))
-    assert rel_rms(g_ours[0], g_stock[0]) < 2e-2
-    assert rel_rms(g_ours[1], g_stock[1]) < 2e-2
+    for a, b in zip(g_ours, g_stock):
+        assert rel_rms(a, b) < 2e-2
 
 
 @gpu
 @needs_cuda
-def test_gpu_fp32_triton_matches_float64():
-    hidden, weight, bias, labels = _inputs(2, 300, 64, 5003, bias=True, device="cuda", seed=14)
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_head", "frozen_head"])
+@pytest.mark.parametrize("vc", [1000, 5003], ids=["vocab_blocks", "whole_vocab"])
+def test_gpu_fp32_triton_matches_float64(frozen, vc):
+    hidden, weight, bias, labels = _inputs(2, 300, 64, 5003, bias=not frozen, device="cuda", seed=14)
+    weight.requires_grad_(not frozen)
     labels[:, ::5] = -100
-    _compare(hidden, weight, bias, labels, 1e-4, "triton", chunk_size=128)
+    _compare(hidden, weight, bias, labels, 1e-4, "triton", chunk_size=128, vocab_chunk_size=vc)
+
+
+@gpu
+@needs_cuda
+def test_gpu_mixed_precision_accumulation_is_exact_in_fp32():
+    """The fp32 accumulator path (16-bit matmul inputs, fp32 sum): against the same sum in float64."""
+    gen = torch.Generator().manual_seed(21)
+    a = torch.randn(300, 512, generator=gen).to("cuda", torch.bfloat16)
+    b = torch.randn(512, 700, generator=gen).to("cuda", torch.bfloat16)
+    acc = torch.randn(300, 700, generator=gen).to("cuda")
+    want = acc.double() + a.double() @ b.double()
+    reference._add_mm(acc, a, b)
+    assert rel_rms(acc, want) < 1e-6
 
 
 # --- model level: the loss-path adapter of the transformers patch layer ---------------------------------------
@@ -472,11 +632,13 @@ def test_benchmark_script_imports_and_parses_on_cpu(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("bench_loss_moe", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main([str(tmp_path / "x.json"), "--dry-run", "--tokens", "4096", "--chunk-sizes", "256"]) == 0
+    assert bench.main([str(tmp_path / "x.json"), "--dry-run", "--tokens", "4096", "--chunk-sizes", "256",
+                       "--blocks", "512x4096"]) == 0
     out = capsys.readouterr().out
-    assert "tokens=4096" in out and "E=256 top-8 I=512 H=2048" in out and "[256]" in out
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--top-k", "300"])
+    assert "tokens=4096" in out and "E=256 top-8 I=512 H=2048" in out and "[256]" in out and "512x4096" in out
+    for bad in (["--top-k", "300"], ["--blocks", "512"], ["--blocks", "0x4096"], ["--blocks", "ax4"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

@@ -43,7 +43,7 @@ def _check_num_items(num_items_in_batch, reduction):
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                                bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                                num_items_in_batch=None, shift: bool = True, chunk_size: int | None = None,
-                               return_logits: bool = False, **kwargs):
+                               vocab_chunk_size: int | None = None, return_logits: bool = False, **kwargs):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without [tokens, V] logits.
 
     hidden: [..., T, H] (any float dtype); weight: [V, H] of hidden's dtype (an ``lm_head`` weight, or a
@@ -55,10 +55,17 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     reduction 'mean' divides the summed token losses by the number of counted tokens (NaN when every token is
     ignored, as ``torch.nn.functional.cross_entropy`` gives), or by ``num_items_in_batch`` when it is given
     (transformers' gradient-accumulation normalisation); 'sum' returns the sum. The softmax is computed in
-    fp32 (fp64 for fp64 inputs). ``chunk_size`` tokens are projected at a time (default: a power of two with
-    chunk * V about tokens * H, at least 256 tokens, at least 1,024 with a trainable head). With
+    fp32 (fp64 for fp64 inputs).
+
+    Memory: ``chunk_size`` tokens are projected at a time, to ``vocab_chunk_size`` vocabulary columns at a time.
+    Vocabulary blocks keep the temporaries to [chunk, block] (default 1,024 x 8,192); they cost nothing extra
+    with a frozen head (LoRA) and one more projection per token with a trainable head or bias. Default: blocks
+    for a frozen head with the Triton backend and a vocabulary above 8,192; otherwise whole-vocabulary chunks
+    of a power of two near tokens * H / V tokens (at least 256, at least 1,024 with a trainable head). A
+    ``vocab_chunk_size`` below V asks for blocks, one >= V for whole-vocabulary chunks. With
     ``return_logits=True`` returns ``(loss, logits)``; the logits ([..., T, V], hidden's dtype) are the same
-    projection and carry no gradient. ``backend=`` may force 'triton' or 'torch'.
+    projection, carry no gradient, and are computed in whole-vocabulary chunks. ``backend=`` may force
+    'triton' or 'torch'.
     """
     backend = kwargs.pop("backend", None)
     if kwargs:
@@ -94,6 +101,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     _check_num_items(num_items_in_batch, reduction)
     if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
         check.fail(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    if vocab_chunk_size is not None and (not _is_int(vocab_chunk_size) or vocab_chunk_size < 1):
+        check.fail(f"vocab_chunk_size must be None or an int >= 1, got {vocab_chunk_size!r}")
     if not isinstance(return_logits, bool):
         check.fail(f"return_logits must be True or False, got {return_logits!r}")
     check.same_device("hidden", hidden, weight=weight, bias=bias)
@@ -108,7 +117,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     hidden2 = hidden.reshape(-1, H)
     impl = backends.select(FUSED_LINEAR_CROSS_ENTROPY, backends.call_info(hidden, weight, bias), backend)
     loss, logits = impl(hidden2, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
-                        return_logits)
+                        return_logits, vocab_chunk_size)
     if return_logits:
         return loss, logits.view(*hidden.shape[:-1], V)
     return loss

@@ -1,4 +1,4 @@
-"""Triton softmax/gradient step of the chunked fused linear cross-entropy.
+"""Triton softmax/gradient steps of the fused linear cross-entropy (token chunks, and vocabulary blocks).
 
 For one chunk of logits [c, V] in the input dtype, one program per row makes two passes over the
 vocabulary: the first keeps a running maximum and a running sum of exponentials (fp32) and reads the
@@ -7,16 +7,23 @@ target's logit, giving the row loss ``logsumexp - logit[target]``; the second wr
 needs an fp32 copy of the chunk plus a separate gradient buffer; this one needs neither, so a chunk costs
 only its [c, V] logits. The matmuls around it (head projection, gradient of hidden / weight) stay cuBLAS
 calls in ``reference.fused_linear_cross_entropy_chunked``.
+
+For vocabulary blocks (``reference.fused_linear_cross_entropy_blocked``) two more kernels, one program per
+row of a [c, w] block: the online step updates the row's running maximum, sum of exponentials and target
+logit and (frozen head) writes exp(x - new maximum) over the block and rescales the row of the hidden-gradient
+accumulator when the maximum moved; the gradient step writes (exp(x - lse) - one-hot) * row_scale over it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from deltafuse.backends import probes
-from deltafuse.ops.cross_entropy.reference import fused_linear_cross_entropy_chunked
+from deltafuse.ops.cross_entropy.reference import BlockSteps, _dispatch
 
 
 @triton.jit
@@ -49,10 +56,69 @@ def _ce_chunk_kernel(L, T, SCALE, LOSS, V, stride_l, ignore_index,
             tl.store(base + cols, g.to(L.dtype.element_ty), mask=cmask)
 
 
-def _block_v(vocab: int, device: torch.device) -> tuple[int, int]:
-    cap = 1024 if device.type == "cpu" or probes.triton_interpreting() else 4096
-    block = min(cap, triton.next_power_of_2(max(vocab, 1)))
+@triton.jit
+def _ce_online_block_kernel(L, T, M, S, XT, ACC, W, H, stride_l, stride_acc, v0, ignore_index,
+                            WITH_ACC: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0)
+    base = L + row.to(tl.int64) * stride_l
+    t = tl.load(T + row)
+    local = t - v0
+    hit = (t != ignore_index) & (local >= 0) & (local < W)
+    x_t = tl.load(base + tl.where(hit, local, 0)).to(tl.float32)  # read before the block is overwritten
+    m_old = tl.load(M + row)
+    m_blk = float("-inf")
+    for c0 in range(0, W, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        x = tl.load(base + cols, mask=cols < W, other=float("-inf")).to(tl.float32)
+        m_blk = tl.maximum(m_blk, tl.max(x, axis=0))
+    m_new = tl.maximum(m_old, m_blk)
+    alpha = tl.exp(m_old - m_new)
+    s = 0.0
+    for c0 in range(0, W, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        cmask = cols < W
+        x = tl.load(base + cols, mask=cmask, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - m_new)
+        s += tl.sum(p, axis=0)
+        if WITH_ACC:
+            tl.store(base + cols, p.to(L.dtype.element_ty), mask=cmask)
+    tl.store(S + row, tl.load(S + row) * alpha + s)
+    tl.store(M + row, m_new)
+    tl.store(XT + row, tl.where(hit, x_t, tl.load(XT + row)))
+    if WITH_ACC:
+        if alpha != 1.0:  # the maximum moved: rescale the row's accumulator to it
+            acc_row = ACC + row.to(tl.int64) * stride_acc
+            for c0 in range(0, H, BLOCK_H):
+                cols = c0 + tl.arange(0, BLOCK_H)
+                cmask = cols < H
+                tl.store(acc_row + cols, tl.load(acc_row + cols, mask=cmask, other=0.0) * alpha, mask=cmask)
+
+
+@triton.jit
+def _ce_block_grad_kernel(L, T, LSE, SCALE, W, stride_l, v0, ignore_index, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    base = L + row.to(tl.int64) * stride_l
+    t = tl.load(T + row)
+    local = tl.where((t != ignore_index) & (t >= v0), t - v0, -1)
+    lse = tl.load(LSE + row)
+    scale = tl.load(SCALE + row)
+    for c0 in range(0, W, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        cmask = cols < W
+        x = tl.load(base + cols, mask=cmask, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse)
+        g = tl.where(cols == local, g - 1.0, g) * scale
+        tl.store(base + cols, g.to(L.dtype.element_ty), mask=cmask)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_v_cached(vocab: int, interpreted: bool) -> tuple[int, int]:
+    block = min(1024 if interpreted else 4096, triton.next_power_of_2(max(vocab, 1)))
     return block, (8 if block >= 4096 else 4)
+
+
+def _block_v(vocab: int, device: torch.device) -> tuple[int, int]:
+    return _block_v_cached(vocab, device.type == "cpu" or probes.triton_interpreting())
 
 
 def chunk_softmax_grad_triton(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
@@ -71,11 +137,51 @@ def chunk_softmax_grad_triton(logits: torch.Tensor, targets: torch.Tensor, ignor
     return rows, (logits if row_scale is not None else None)
 
 
+def _rows_contiguous(logits: torch.Tensor) -> torch.Tensor:
+    return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
+# The blocked loss launches these once per [chunk, block] tile (hundreds of times per call), so the wrappers
+# keep host work to the launch: targets, statistics and scales arrive contiguous from the caller
+# (reference._blocked_pass), and the accumulator is rescaled inside the kernel.
+def online_block_step_triton(logits, targets, v0, ignore_index, m, l, xt, acc):
+    """Same contract as ``reference.online_block_step_torch`` (fp32 running statistics, contiguous [c]
+    tensors); the probabilities, when an accumulator is given, overwrite ``logits``."""
+    logits = _rows_contiguous(logits)
+    c, w = logits.shape
+    if c:
+        block, warps = _block_v(w, logits.device)
+        with_acc = acc is not None
+        hdim = acc.shape[1] if with_acc else 0
+        _ce_online_block_kernel[(c,)](logits, targets, m, l, xt, acc if with_acc else m, w, hdim,
+                                      logits.stride(0), acc.stride(0) if with_acc else 0, v0, ignore_index,
+                                      WITH_ACC=with_acc, BLOCK_V=block,
+                                      BLOCK_H=min(block, triton.next_power_of_2(max(hdim, 1))),
+                                      num_warps=warps)
+    return logits if acc is not None else None
+
+
+def block_grad_step_triton(logits, targets, v0, ignore_index, lse, row_scale):
+    """Same contract as ``reference.block_grad_step_torch`` (contiguous fp32 ``lse`` and ``row_scale``); the
+    gradient overwrites ``logits``."""
+    logits = _rows_contiguous(logits)
+    c, w = logits.shape
+    if c:
+        block, warps = _block_v(w, logits.device)
+        _ce_block_grad_kernel[(c,)](logits, targets, lse, row_scale, w, logits.stride(0), v0, ignore_index,
+                                    BLOCK_V=block, num_warps=warps)
+    return logits
+
+
+TRITON_BLOCK_STEPS = BlockSteps(online_block_step_triton, block_grad_step_triton)
+
+
 def fused_linear_cross_entropy_triton(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
-                                      chunk_size, return_logits):
-    return fused_linear_cross_entropy_chunked(hidden, weight, bias, targets, ignore_index, reduction,
-                                              num_items_in_batch, chunk_size, return_logits,
-                                              chunk_softmax_grad_triton)
+                                      chunk_size, return_logits, vocab_chunk_size=None):
+    return _dispatch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
+                     return_logits, vocab_chunk_size, chunk_softmax_grad_triton, TRITON_BLOCK_STEPS,
+                     blocks_by_default=True)
 
 
-__all__ = ["chunk_softmax_grad_triton", "fused_linear_cross_entropy_triton"]
+__all__ = ["block_grad_step_triton", "chunk_softmax_grad_triton", "fused_linear_cross_entropy_triton",
+           "online_block_step_triton"]

@@ -1,16 +1,24 @@
-"""Chunked fused linear cross-entropy in torch (any device): the portable implementation.
+"""Fused linear cross-entropy in torch (any device): the portable implementations.
 
-The head projection, the softmax and the loss are computed for ``chunk_size`` tokens at a time, so the
-largest temporaries are [chunk, V] instead of [tokens, V]. Because the loss is a scalar, its gradient with
-respect to the chunk's logits is known during the forward (softmax - one-hot, times the reduction's scale);
-the forward therefore also computes the gradients of hidden, weight and bias chunk by chunk and keeps only
-those ([N, H], [V, H], [V]) for the backward, which multiplies them by the incoming scalar gradient.
-Nothing of size [tokens, V] is saved for the backward.
+Two ways to avoid [tokens, V] logits; both compute the gradients during the forward (the loss is a scalar, so
+d(loss)/d(logits) = (softmax - one-hot) times the reduction's scale is known there) and keep only those
+([N, H], [V, H], [V]) for the backward, which multiplies them by the incoming scalar gradient.
+
+* **Token chunks** (``fused_linear_cross_entropy_chunked``): ``chunk_size`` tokens at a time are projected to
+  the whole vocabulary; the largest temporaries are [chunk, V]. Three matmuls per token (projection,
+  gradient of hidden, gradient of the weight when the head trains).
+* **Token chunks x vocabulary blocks** (``fused_linear_cross_entropy_blocked``): each token chunk is projected
+  ``vocab_chunk`` columns at a time, so the largest temporaries are [chunk, vocab_chunk] plus a [chunk, H]
+  accumulator. With a frozen head one pass suffices: a running maximum and sum of exponentials per row give
+  the log-sum-exp, and the hidden gradient ``softmax @ W - W[target]`` is accumulated from the unnormalised
+  block probabilities, rescaled whenever the running maximum moves (the online-softmax rule), so the matmul
+  count equals the token-chunk way. A trainable head (or bias) needs the normalised softmax for its gradient,
+  so the blocks are projected twice (log-sum-exp first, gradients second): one matmul more per token.
 
 Rounding points follow transformers' stock path (``lm_head`` in the input dtype, then ``logits.float()``
-and an fp32 softmax; the logits gradient is rounded to the input dtype before the two matmuls of the linear
-backward), so a low-precision run matches the stock loss up to summation order. A float64 input is
-computed in float64 throughout.
+and an fp32 softmax; the logits gradient, or the block probabilities, are rounded to the input dtype before
+the matmuls of the linear backward), so a low-precision run matches the stock loss up to summation order. A
+float64 input is computed in float64 throughout.
 
 The weight gradient is accumulated across chunks in the weight's dtype when that is fp32/fp64, and in fp32
 otherwise when ``V * H`` is small; for large bf16/fp16 heads it is accumulated in the weight dtype (a
@@ -18,12 +26,14 @@ otherwise when ``V * H`` is small; for large bf16/fp16 heads it is accumulated i
 that case computes no weight gradient at all.
 
 ``chunk_fn(logits, targets, ignore_index, row_scale) -> (row_losses, dlogits)`` is the per-chunk softmax
-step; the Triton backend passes a fused kernel that writes the gradient over the logits in place.
+step and ``BlockSteps`` the per-block steps of the blocked way; the Triton backend passes fused kernels that
+write over the logits in place.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +46,14 @@ import torch.nn.functional as F
 # chunks are kept large there (few passes over it, and few roundings when it is accumulated in bf16).
 MIN_CHUNK = 256
 MIN_CHUNK_TRAINABLE_HEAD = 1024
+# Vocabulary-blocked way: vocabulary columns per block and tokens per chunk by default. A chunk then holds a
+# [chunk, block] tile of logits (16 MiB in bf16) and a [chunk, H] fp32 accumulator (8 MiB at H = 2,048),
+# against Liger's 30 MiB of logits at 4,096 tokens (its chunk there is 64 tokens x 248,320). Chosen on the
+# H200 (BENCHMARKS.md, frozen head, 4,096 / 16,384 tokens): 1024 x 8192 took 16.4 / 58.5 ms at 40 / 88 MiB;
+# 1024 x 4096 19.2 / 69.4 ms (each tile costs ~0.1 ms of host time, so small tiles leave the GPU waiting);
+# 2048 x 4096 18.2 / 60.1 ms at 48 / 96 MiB; whole-vocabulary 256-token chunks 16.5 / 65.8 ms at 137 / 185 MiB.
+VOCAB_CHUNK = 8192
+BLOCKED_CHUNK = 1024
 # A [V, H] fp32 weight-gradient accumulator is used for low-precision heads up to this many elements.
 FP32_ACCUMULATE_MAX = 1 << 24
 
@@ -84,54 +102,195 @@ def _denominator(targets, ignore_index, reduction, num_items_in_batch, device):
     return (targets != ignore_index).sum().to(torch.float32)
 
 
+def online_block_step_torch(logits: torch.Tensor, targets: torch.Tensor, v0: int, ignore_index: int,
+                            m: torch.Tensor, l: torch.Tensor, xt: torch.Tensor, acc: torch.Tensor | None):
+    """One vocabulary block [v0, v0 + w) of the online log-sum-exp, for a chunk of rows.
+
+    logits: [c, w] (input dtype); m, l, xt: [c] running maximum, running sum of exp(x - m), and the target's
+    logit (compute dtype), updated in place. ``acc`` ([c, H], compute dtype) is an accumulator of terms
+    scaled by exp(-m): it is rescaled in place to the new maximum, and the block's probabilities
+    exp(logits - new m) are returned in the logits' dtype for the caller to add into it. Without ``acc``
+    returns None.
+    """
+    x = logits.to(_compute_dtype(logits.dtype))
+    w = x.shape[1]
+    local = targets - v0
+    hit = (targets != ignore_index) & (local >= 0) & (local < w)
+    xt.copy_(torch.where(hit, x.gather(1, local.clamp(0, w - 1).unsqueeze(1)).squeeze(1), xt))
+    m_new = torch.maximum(m, x.max(dim=1).values)
+    alpha = torch.exp(m - m_new)
+    p = torch.exp(x - m_new.unsqueeze(1))
+    l.mul_(alpha).add_(p.sum(dim=1))
+    m.copy_(m_new)
+    if acc is None:
+        return None
+    acc.mul_(alpha.unsqueeze(1))
+    return p.to(logits.dtype)
+
+
+def block_grad_step_torch(logits: torch.Tensor, targets: torch.Tensor, v0: int, ignore_index: int,
+                          lse: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """d(loss)/d(logits) for the vocabulary block [v0, v0 + w): (exp(x - lse) - one-hot) * row_scale, in the
+    logits' dtype."""
+    ct = _compute_dtype(logits.dtype)
+    x = logits.to(ct)
+    w = x.shape[1]
+    local = targets - v0
+    hit = (targets != ignore_index) & (local >= 0) & (local < w)
+    g = torch.exp(x - lse.unsqueeze(1))
+    g.scatter_add_(1, local.clamp(0, w - 1).unsqueeze(1), -hit.to(ct).unsqueeze(1))
+    g.mul_(row_scale.to(ct).unsqueeze(1))
+    return g.to(logits.dtype)
+
+
+class BlockSteps(NamedTuple):
+    """The per-block steps of the vocabulary-blocked loss (see ``online_block_step_torch`` and
+    ``block_grad_step_torch`` for the contracts; other implementations may write over ``logits``)."""
+    online: Callable
+    grad: Callable
+
+
+TORCH_BLOCK_STEPS = BlockSteps(online_block_step_torch, block_grad_step_torch)
+
+
+@functools.lru_cache(maxsize=None)
+def _mixed_addmm_in_place_works(device_type: str) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)`` (16-bit inputs, fp32 accumulator,
+    output aliasing the addend) exists on this device type and gives the right answer."""
+    try:
+        a = torch.arange(6, dtype=torch.bfloat16, device=device_type).reshape(2, 3)
+        b = torch.arange(12, dtype=torch.bfloat16, device=device_type).reshape(3, 4)
+        acc = torch.ones(2, 4, dtype=torch.float32, device=device_type)
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        want = torch.ones(2, 4) + a.float().cpu() @ b.float().cpu()
+        return bool(torch.equal(acc.cpu(), want))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, where a and b are in the input dtype and acc may be wider (an fp32 accumulator for
+    16-bit inputs: the product is then accumulated in fp32 without rounding it to 16 bits first)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif _mixed_addmm_in_place_works(acc.device.type):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += torch.mm(a, b).to(acc.dtype)
+
+
+def _weight_grad_buffer(weight: torch.Tensor) -> torch.Tensor:
+    acc = weight.dtype if weight.dtype in (torch.float32, torch.float64) or \
+        weight.numel() > FP32_ACCUMULATE_MAX else torch.float32
+    return torch.zeros(weight.shape, dtype=acc, device=weight.device)
+
+
+def _chunked_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs, *, chunk_size, logits_out,
+                  chunk_fn):
+    """Token chunks against the whole vocabulary. Returns (summed row losses, dh, dw, db)."""
+    need_dh, need_dw, need_db = needs
+    n = hidden.shape[0]
+    ct = _compute_dtype(hidden.dtype)
+    dh = torch.empty_like(hidden) if need_dh else None
+    dw = _weight_grad_buffer(weight) if need_dw else None
+    db = torch.zeros((weight.shape[0],), dtype=_compute_dtype(bias.dtype), device=hidden.device) if need_db else None
+    total = torch.zeros((), dtype=ct, device=hidden.device)
+    for s in range(0, n, chunk_size):
+        e = min(n, s + chunk_size)
+        h = hidden[s:e]
+        logits = F.linear(h, weight, bias)
+        if logits_out is not None:
+            logits_out[s:e].copy_(logits)
+        rows, dlogits = chunk_fn(logits, targets[s:e], ignore_index,
+                                 row_scale[s:e] if row_scale is not None else None)
+        del logits
+        total += rows.sum(dtype=ct)
+        if dlogits is None:
+            continue
+        if need_dh:
+            torch.mm(dlogits, weight, out=dh[s:e])
+        if need_dw:
+            _add_mm(dw, dlogits.t(), h)
+        if need_db:
+            db += dlogits.sum(0, dtype=db.dtype)
+        del dlogits
+    return total, dh, dw, db
+
+
+def _blocked_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs, *, chunk_size, vocab_chunk,
+                  steps: BlockSteps):
+    """Token chunks against vocabulary blocks. Returns (summed row losses, dh, dw, db)."""
+    need_dh, need_dw, need_db = needs
+    n, H = hidden.shape
+    vocab = weight.shape[0]
+    device = hidden.device
+    ct = _compute_dtype(hidden.dtype)
+    dh = torch.empty_like(hidden) if need_dh else None
+    dw = _weight_grad_buffer(weight) if need_dw else None
+    db = torch.zeros((vocab,), dtype=_compute_dtype(bias.dtype), device=device) if need_db else None
+    total = torch.zeros((), dtype=ct, device=device)
+    blocks = [(v0, min(vocab, v0 + vocab_chunk)) for v0 in range(0, vocab, vocab_chunk)]
+    # Frozen head and bias: the hidden gradient is accumulated online in the first (only) pass.
+    one_pass = not (need_dw or need_db)
+
+    def project(h, v0, v1):
+        return F.linear(h, weight[v0:v1], bias[v0:v1] if bias is not None else None)
+
+    for s in range(0, n, chunk_size):
+        e = min(n, s + chunk_size)
+        h, t = hidden[s:e], targets[s:e].contiguous()
+        c = e - s
+        m = torch.full((c,), float("-inf"), dtype=ct, device=device)
+        l = torch.zeros((c,), dtype=ct, device=device)
+        xt = torch.zeros((c,), dtype=ct, device=device)
+        acc = torch.zeros((c, H), dtype=ct, device=device) if need_dh else None
+        online_dh = one_pass and need_dh
+        for v0, v1 in blocks:
+            probs = steps.online(project(h, v0, v1), t, v0, ignore_index, m, l, xt, acc if online_dh else None)
+            if online_dh:
+                _add_mm(acc, probs, weight[v0:v1])
+            del probs
+        lse = m + torch.log(l)
+        valid = t != ignore_index
+        total += torch.where(valid, lse - xt, torch.zeros((), dtype=ct, device=device)).sum()
+        if row_scale is None:
+            continue
+        scale = row_scale[s:e].unsqueeze(1)
+        if online_dh:
+            # softmax @ W = acc / sum; minus the target's row of W (the one-hot part); times the row's scale
+            safe = torch.where(valid, t, torch.zeros_like(t))
+            acc.div_(l.unsqueeze(1)).sub_(weight[safe]).mul_(scale)
+            dh[s:e].copy_(acc)
+            continue
+        chunk_scale = row_scale[s:e].contiguous()
+        for v0, v1 in blocks:
+            g = steps.grad(project(h, v0, v1), t, v0, ignore_index, lse, chunk_scale)
+            if need_dh:
+                _add_mm(acc, g, weight[v0:v1])
+            if need_dw:
+                _add_mm(dw[v0:v1], g.t(), h)
+            if need_db:
+                db[v0:v1] += g.sum(0, dtype=db.dtype)
+            del g
+        if need_dh:
+            dh[s:e].copy_(acc)
+    return total, dh, dw, db
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
-                logits_out, chunk_fn, needs):
-        need_dh, need_dw, need_db = needs
-        n, _ = hidden.shape
-        vocab = weight.shape[0]
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, run_pass, needs):
         device = hidden.device
         ct = _compute_dtype(hidden.dtype)
         denom = _denominator(targets, ignore_index, reduction, num_items_in_batch, device)
-        any_grad = need_dh or need_dw or need_db
         row_scale = None
-        if any_grad:
+        if any(needs):
             valid = targets != ignore_index
             if denom is None:
                 row_scale = valid.to(ct)
             else:  # where(): an all-ignored batch (denominator 0) gives zero gradients, as the stock loss does
                 row_scale = torch.where(valid, 1.0 / denom.to(ct), torch.zeros((), dtype=ct, device=device))
-        dh = torch.empty_like(hidden) if need_dh else None
-        dw = None
-        if need_dw:
-            acc = weight.dtype if weight.dtype in (torch.float32, torch.float64) or \
-                weight.numel() > FP32_ACCUMULATE_MAX else torch.float32
-            dw = torch.zeros(weight.shape, dtype=acc, device=device)
-        db = torch.zeros((vocab,), dtype=_compute_dtype(bias.dtype), device=device) if need_db else None
-        total = torch.zeros((), dtype=ct, device=device)
-        for s in range(0, n, chunk_size):
-            e = min(n, s + chunk_size)
-            h = hidden[s:e]
-            logits = F.linear(h, weight, bias)
-            if logits_out is not None:
-                logits_out[s:e].copy_(logits)
-            rows, dlogits = chunk_fn(logits, targets[s:e], ignore_index,
-                                     row_scale[s:e] if row_scale is not None else None)
-            del logits
-            total += rows.sum(dtype=ct)
-            if dlogits is None:
-                continue
-            if need_dh:
-                torch.mm(dlogits, weight, out=dh[s:e])
-            if need_dw:
-                if dw.dtype == dlogits.dtype:
-                    dw.addmm_(dlogits.t(), h)
-                else:
-                    dw += torch.mm(dlogits.t(), h).to(dw.dtype)
-            if need_db:
-                db += dlogits.sum(0, dtype=db.dtype)
-            del dlogits
+        total, dh, dw, db = run_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs)
         loss = total if denom is None else total / denom.to(ct)
         if dw is not None:
             dw = dw.to(weight.dtype)
@@ -153,7 +312,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 return t
             return t * grad_loss.to(t.dtype)
 
-        return scaled(dh), scaled(dw), scaled(db), None, None, None, None, None, None, None, None
+        return scaled(dh), scaled(dw), scaled(db), None, None, None, None, None, None
+
+
+def _needs(hidden, weight, bias):
+    grad = torch.is_grad_enabled()
+    return (grad and hidden.requires_grad, grad and weight.requires_grad,
+            grad and bias is not None and bias.requires_grad)
 
 
 def fused_linear_cross_entropy_chunked(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
@@ -163,9 +328,7 @@ def fused_linear_cross_entropy_chunked(hidden, weight, bias, targets, ignore_ind
     Returns (loss, logits [N, V] or None). The logits, when asked for, are filled chunk by chunk from the same
     projection the loss uses and carry no gradient.
     """
-    grad = torch.is_grad_enabled()
-    needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
-             grad and bias is not None and bias.requires_grad)
+    needs = _needs(hidden, weight, bias)
     n, vocab = hidden.shape[0], weight.shape[0]
     if chunk_size is None:
         chunk_size = default_chunk_size(n, vocab, hidden.shape[1], needs[1])
@@ -173,13 +336,60 @@ def fused_linear_cross_entropy_chunked(hidden, weight, bias, targets, ignore_ind
     if return_logits:
         logits_out = torch.empty((n, vocab), dtype=torch.promote_types(hidden.dtype, weight.dtype),
                                  device=hidden.device)
+    run_pass = functools.partial(_chunked_pass, chunk_size=chunk_size, logits_out=logits_out, chunk_fn=chunk_fn)
     loss = _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, reduction,
-                                          num_items_in_batch, chunk_size, logits_out, chunk_fn, needs)
+                                          num_items_in_batch, run_pass, needs)
     return loss, logits_out
 
 
+def fused_linear_cross_entropy_blocked(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
+                                       chunk_size, vocab_chunk, steps: BlockSteps = TORCH_BLOCK_STEPS):
+    """Same contract as ``fused_linear_cross_entropy_chunked`` without logits; ``vocab_chunk`` vocabulary
+    columns are projected at a time. Returns the loss."""
+    needs = _needs(hidden, weight, bias)
+    if chunk_size is None:
+        chunk_size = min(max(hidden.shape[0], 1), BLOCKED_CHUNK)
+    run_pass = functools.partial(_blocked_pass, chunk_size=chunk_size, vocab_chunk=vocab_chunk, steps=steps)
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, reduction,
+                                          num_items_in_batch, run_pass, needs)
+
+
+def blocked_vocab_chunk(vocab: int, vocab_chunk_size: int | None, return_logits: bool, trainable: bool,
+                        blocks_by_default: bool) -> int | None:
+    """The vocabulary block for a call, or None for whole-vocabulary token chunks.
+
+    Logits for the caller need the whole projection anyway, so they use token chunks; an explicit
+    ``vocab_chunk_size`` below V selects blocks of that size. By default (``blocks_by_default``: the Triton
+    steps) a frozen head and bias with a vocabulary larger than ``VOCAB_CHUNK`` get blocks of
+    ``VOCAB_CHUNK`` columns: same matmuls as token chunks, far less memory. A trainable head or bias keeps
+    token chunks by default, because blocks cost it one projection more (H200, 4,096 tokens: 33-35 ms
+    against 21.6 ms, for 1,010 instead of 1,471 MiB; BENCHMARKS.md); the torch steps keep them too, their
+    per-block elementwise work doubles the time (66 against 33 ms).
+    """
+    if return_logits:
+        return None
+    if vocab_chunk_size is None:
+        if trainable or not blocks_by_default:
+            return None
+        vocab_chunk_size = VOCAB_CHUNK
+    return vocab_chunk_size if vocab_chunk_size < vocab else None
+
+
+def _dispatch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
+              return_logits, vocab_chunk_size, chunk_fn, steps, blocks_by_default):
+    needs = _needs(hidden, weight, bias)
+    block = blocked_vocab_chunk(weight.shape[0], vocab_chunk_size, return_logits, needs[1] or needs[2],
+                                blocks_by_default)
+    if block is None:
+        return fused_linear_cross_entropy_chunked(hidden, weight, bias, targets, ignore_index, reduction,
+                                                  num_items_in_batch, chunk_size, return_logits, chunk_fn)
+    loss = fused_linear_cross_entropy_blocked(hidden, weight, bias, targets, ignore_index, reduction,
+                                              num_items_in_batch, chunk_size, block, steps)
+    return loss, None
+
+
 def fused_linear_cross_entropy_torch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
-                                     chunk_size, return_logits):
-    return fused_linear_cross_entropy_chunked(hidden, weight, bias, targets, ignore_index, reduction,
-                                              num_items_in_batch, chunk_size, return_logits,
-                                              chunk_softmax_grad_torch)
+                                     chunk_size, return_logits, vocab_chunk_size=None):
+    return _dispatch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
+                     return_logits, vocab_chunk_size, chunk_softmax_grad_torch, TORCH_BLOCK_STEPS,
+                     blocks_by_default=False)

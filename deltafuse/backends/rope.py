@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from deltafuse.backends.common import (NPU_UNVERIFIED, load_attr, npu_available, npu_supports,
-                                       torch_supports, triton_available, triton_supports,
-                                       triton_forced_only)
+                                       torch_supports, triton_auto_skip, triton_available, triton_supports)
 from deltafuse.backends.registry import Candidate, Registry
 
 ROPE = "apply_rotary_pos_emb"
@@ -14,10 +13,9 @@ KERNEL = "deltafuse.ops.rope.kernel"
 def register(registry: Registry) -> None:
     registry.register(ROPE, Candidate(
         "triton", load_attr(KERNEL, "apply_rotary_pos_emb_triton"), triton_available(KERNEL), triton_supports,
-        auto_skip=triton_forced_only(
-            "its bf16 forward differed from transformers' in the last bit on the H200 (a fused multiply-add); "
-            "the fix (no floating-point contraction) has not been re-tested on a GPU yet (BENCHMARKS.md)"),
-        note="deltafuse's Triton partial RoPE for q and k in one pass (fwd+bwd)"))
+        auto_skip=triton_auto_skip,
+        note="deltafuse's Triton partial RoPE for q and k in one pass (fwd+bwd); its bf16 forward is bit-equal "
+             "to transformers' (compiled without floating-point contraction)"))
     registry.register(ROPE, Candidate(
         "npu", load_attr("deltafuse.ops.rope.npu", "apply_rotary_pos_emb_npu"), npu_available("npu_rotary_mul"),
         npu_supports, verified=False,

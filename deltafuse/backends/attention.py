@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 from deltafuse.backends.common import NPU_UNVERIFIED, load_attr, npu_available, npu_supports, torch_supports
-from deltafuse.backends.registry import Candidate, Registry
+import torch
+
+from deltafuse.backends.registry import CallInfo, Candidate, Registry
 
 SDPA = "sdpa_attention"
 PACKED_ATTENTION = "packed_causal_attention"
+
+
+def _varlen_available() -> str | None:
+    from deltafuse.ops.attention.packed import varlen_api
+
+    return None if varlen_api() is not None else "this torch has no torch.nn.attention.varlen.varlen_attn"
+
+
+def _varlen_supports(call: CallInfo) -> str | None:
+    if call.device.type != "cuda":
+        return f"varlen_attn runs flash attention on CUDA devices, not {call.device.type}"
+    if call.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {call.dtype} is not one of fp16, bf16 (flash attention)"
+    return None
 
 
 def register(registry: Registry) -> None:
@@ -17,6 +33,11 @@ def register(registry: Registry) -> None:
              "(sparse_mode 2); " + NPU_UNVERIFIED))
     registry.register(SDPA, Candidate("transformers", load_attr("deltafuse.ops.attention", "stock_attention"),
                                       note="transformers' own sdpa_attention_forward, unchanged (any device)"))
+    registry.register(PACKED_ATTENTION, Candidate(
+        "varlen", load_attr("deltafuse.ops.attention.packed", "causal_attention_varlen"), _varlen_available,
+        _varlen_supports,
+        note="torch.nn.attention.varlen.varlen_attn: one flash-attention kernel over all sequences (CUDA, "
+             "fp16/bf16; dropout and head sizes above 256 go to the per-sequence loop)"))
     registry.register(PACKED_ATTENTION, Candidate(
         "torch", load_attr("deltafuse.ops.attention.packed", "causal_attention_by_sequence"),
         supports=torch_supports,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from deltafuse import verify
 from deltafuse.integrations.transformers import adapters, adapters_fused
 from deltafuse.ops.attention import packed as packed_ops
+from tests.helpers import gpu, needs_cuda
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
@@ -103,3 +104,162 @@ def test_packed_model_with_the_route_equals_per_sequence_stock(monkeypatch, mode
         for n in row:
             want.append(want[-1] + n)
     assert all(tuple(c) == tuple(want) for c in calls)
+
+
+# --- torch's varlen_attn route ------------------------------------------------------------------------------
+def _fake_varlen(style, calls):
+    """A stand-in for torch.nn.attention.varlen.varlen_attn with the documented semantics (flat [N, H, D]
+    tensors, int32 cumulative offsets, causal within each sequence), computed per sequence in the input dtype."""
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, enable_gqa=False, **causal):
+        assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k
+        assert causal == ({"window_size": (-1, 0)} if style == "window" else {"is_causal": True})
+        assert q.dim() == 3 and k.shape[0] == q.shape[0]
+        calls.append(dict(heads=(q.shape[1], k.shape[1]), scale=scale, gqa=enable_gqa, max=max_q))
+        offs = cu_q.tolist()
+        assert max_q == max(e - s for s, e in zip(offs[:-1], offs[1:]))
+        outs = []
+        for s, e in zip(offs[:-1], offs[1:]):
+            qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
+            if enable_gqa:
+                ks = ks.repeat_interleave(q.shape[1] // k.shape[1], 0)
+                vs = vs.repeat_interleave(q.shape[1] // k.shape[1], 0)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+        return torch.cat(outs)
+
+    return varlen_attn
+
+
+@pytest.mark.parametrize("style,takes_scale,takes_gqa", [("window", True, True), ("window", True, False),
+                                                         ("is_causal", False, False)])
+@pytest.mark.parametrize("Hq,Hk,scaling", [(4, 2, None), (4, 4, 0.4), (6, 1, 8 ** -0.5)])
+def test_varlen_route_equals_dense_block_causal(monkeypatch, style, takes_scale, takes_gqa, Hq, Hk, scaling):
+    """The argument mapping onto varlen_attn (flat layout, int32 offsets, causal keyword of either torch
+    version, scale and grouped-query heads when it takes them), against the dense float64 reference with every
+    gradient; a non-default scale on a varlen_attn without scale= goes to the per-sequence loop."""
+    calls = []
+    monkeypatch.setattr(packed_ops, "varlen_api",
+                        lambda: (_fake_varlen(style, calls), ("window_size", (-1, 0)) if style == "window"
+                                 else ("is_causal", True), takes_scale, takes_gqa))
+    g = torch.Generator().manual_seed(Hq + Hk)
+    B, T, D = 2, 37, 8
+    offsets = (0, 5, 6, 20, 37, 38, 60, 74)
+    q = torch.randn(B, Hq, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hk, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hk, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(B, T, Hq, D, generator=g, dtype=torch.float64)
+    got = packed_ops.causal_attention_varlen(q, k, v, offsets, scaling=scaling,
+                                             cu_seqlens=torch.tensor(offsets, dtype=torch.int64))
+    want = _dense_block_causal(q, k, v, offsets, scaling)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad((got * dy).sum(), (q, k, v)),
+                    torch.autograd.grad((want * dy).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+    non_default = scaling is not None and scaling != D ** -0.5
+    if non_default and not takes_scale:
+        assert calls == [], "a scale varlen_attn cannot take must go to the loop"
+        return
+    assert len(calls) == 1 and calls[0]["max"] == 22
+    assert calls[0]["scale"] == (scaling if non_default else None)
+    assert calls[0]["heads"] == ((Hq, Hk) if takes_gqa else (Hq, Hq)) and calls[0]["gqa"] == (takes_gqa and Hq != Hk)
+
+
+def test_varlen_route_hands_unsupported_calls_to_the_loop(monkeypatch):
+    calls, loops = [], []
+    monkeypatch.setattr(packed_ops, "varlen_api", lambda: (_fake_varlen("window", calls), ("window_size", (-1, 0)),
+                                                           True, True))
+    real = packed_ops.causal_attention_by_sequence
+    monkeypatch.setattr(packed_ops, "causal_attention_by_sequence",
+                        lambda *a, **kw: (loops.append(1), real(*a, **kw))[1])
+    q = torch.randn(1, 2, 6, 8, dtype=torch.float64)
+    packed_ops.causal_attention_varlen(q, q, q, (0, 3, 6), dropout=0.1)
+    big = torch.randn(1, 1, 4, packed_ops.VARLEN_MAX_HEAD_DIM + 8, dtype=torch.float64)
+    packed_ops.causal_attention_varlen(big, big, big, (0, 4))
+    assert len(loops) == 2 and calls == []
+    monkeypatch.setattr(packed_ops, "varlen_api", lambda: None)
+    packed_ops.causal_attention_varlen(q, q, q, (0, 3, 6))
+    assert len(loops) == 3
+    monkeypatch.setattr(packed_ops, "varlen_api", lambda: (_fake_varlen("window", calls), ("window_size", (-1, 0)),
+                                                           True, True))
+    with pytest.raises(ValueError, match=r"row starts \[4\] are not sequence starts"):
+        packed_ops.causal_attention_varlen(torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8),
+                                           torch.randn(2, 2, 4, 8), (0, 6, 8))
+
+
+def test_loop_keeps_cudnn_attention_out():
+    """cuDNN builds an execution plan per new sequence length; the loop runs with it disabled (and restores
+    the global setting afterwards)."""
+    seen = []
+    real = F.scaled_dot_product_attention
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*args, **kwargs)
+
+    q = torch.randn(1, 2, 6, 8)
+    try:
+        F.scaled_dot_product_attention = spy
+        packed_ops.causal_attention_by_sequence(q, q, q, (0, 2, 6))
+    finally:
+        F.scaled_dot_product_attention = real
+    assert seen == [False, False]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_route_selection():
+    from deltafuse.backends import attention as rows
+    from deltafuse.backends.registry import CallInfo, Registry
+
+    reg = Registry()
+    rows.register(reg)
+    cpu = {d.candidate: d for d in reg.explain(rows.PACKED_ATTENTION, CallInfo(torch.device("cpu"),
+                                                                                 torch.bfloat16, True))}
+    assert cpu["torch"].chosen and "CUDA" in cpu["varlen"].reason
+    cuda = {d.candidate: d for d in reg.explain(rows.PACKED_ATTENTION, CallInfo(torch.device("cuda", 0),
+                                                                                  torch.float32, True))}
+    assert cuda["torch"].chosen and cuda["varlen"].reason
+    if packed_ops.varlen_api() is not None:
+        cuda = {d.candidate: d for d in reg.explain(rows.PACKED_ATTENTION, CallInfo(torch.device("cuda", 0),
+                                                                                      torch.bfloat16, True))}
+        assert cuda["varlen"].chosen
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("impl", ["varlen", "loop"])
+def test_gpu_bf16_routes_equal_float64_dense(impl):
+    """Qwen3.5-35B-A3B's attention heads (16 query, 2 key/value, size 256), 4,096 tokens in sequences of
+    1 to 700 tokens, bf16, forward and backward against the dense block-causal reference in float64."""
+    g = torch.Generator().manual_seed(31)
+    lengths = [1, 700, 64, 333, 2, 1000, 129, 517, 1350]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    T = offsets[-1]
+    leaves = [torch.randn(1, h, T, 256, generator=g).cuda() for h in (16, 2, 2)]
+    dy = torch.randn(1, T, 16, 256, generator=g).cuda()
+    fn = packed_ops.causal_attention_varlen if impl == "varlen" else packed_ops.causal_attention_by_sequence
+    if impl == "varlen" and packed_ops.varlen_api() is None:
+        pytest.skip("this torch has no varlen_attn")
+    low = [t.to(torch.bfloat16).requires_grad_() for t in leaves]
+    out = fn(*low, offsets, cu_seqlens=torch.tensor(offsets, device="cuda", dtype=torch.int32))
+    got = [out] + list(torch.autograd.grad((out.float() * dy).sum(), low))
+    ref_leaves = [t.double().requires_grad_() for t in leaves]
+    want = _dense_block_causal_cuda(*ref_leaves, offsets)
+    want = [want] + list(torch.autograd.grad((want * dy.double()).sum(), ref_leaves))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        err = float((a.double() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+        assert err < 1e-2, f"{impl} {name}: relative RMS error {err:.2e}"
+
+
+def _dense_block_causal_cuda(q, k, v, offsets):
+    seq = torch.zeros(q.shape[2], dtype=torch.long, device=q.device)
+    seq[torch.tensor(offsets[1:-1], device=q.device)] = 1
+    seq = seq.cumsum(0)
+    pos = torch.arange(q.shape[2], device=q.device)
+    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+    group = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                         attn_mask=mask[None, None])
+    return out.transpose(1, 2)

@@ -312,8 +312,8 @@ def _routable_attention(module, is_causal, kwargs) -> bool:
 
 # Packed rows at least this long get sequence-by-sequence attention instead of transformers' dense
 # block-causal mask: all T x T pairs cost ~16x the per-sequence work at 4096 tokens of ~250-token examples
-# and grow with T (~260x at 65,536); below it the per-sequence launches are not clearly cheaper.
-# Chosen from that arithmetic; not yet timed on a GPU.
+# and grow with T (~260x at 65,536). H200, 16,384 tokens, fwd+bwd of one layer's attention: dense 71 ms,
+# varlen 2.8 ms (BENCHMARKS.md). Shorter rows keep transformers' path: not timed below 16,384.
 PACKED_ATTENTION_MIN_TOKENS = 8192
 
 
@@ -348,7 +348,8 @@ def wrap_sdpa_attention(original):
                     from deltafuse.ops.attention import packed_attention
 
                     impl = packed_attention(query, key, value)
-                    return impl(query, key, value, offsets, scaling, dropout), None
+                    return impl(query, key, value, offsets, scaling, dropout,
+                                cu_seqlens=kwargs[PACKING_KWARG].cu_seqlens), None
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, **kwargs)
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Everything the project measures on a CUDA machine, in parts that each fit one 10-minute call.
 #
-#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, blocks, e2e, long or all; default all)
+#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, blocks, loss, e2e, long or all;
+#                                                          default all)
 #
 #   tests   every GPU test (pytest -m gpu) and `deltafuse verify` on cuda for the tiny models, fp32 and bf16
 #   gdn     the gated delta rule benchmark vs FLA 0.6 and the HF fallback (benchmarks/run_gdn_gpu.sh)
-#   blocks  block ops, loss and experts benchmarks (bench_block_ops.py, bench_loss_moe.py)
+#   blocks  block ops, loss and experts benchmarks (bench_block_ops.py, then the loss part)
+#   loss    loss and experts benchmark only (bench_loss_moe.py)
 #   e2e     `deltafuse bench e2e` for moe8 and dense8 LoRA at 4096 packed tokens, stock vs deltafuse
-#   long    moe8 LoRA at 16,384 packed tokens (stock vs deltafuse) and a 65,536-token deltafuse step with
-#           gradient checkpointing (peak memory in the logs)
+#   long    moe8 LoRA at 16,384 tokens, stock vs deltafuse: packed rows, then one sequence per row (the loss
+#           comparable); then deltafuse steps on single 65,536-token sequences with gradient checkpointing
+#           (peak memory in the logs)
 #
 # Run from the repository root. Wheels in .whl/ (fla_core, einops) are installed for the gdn part only, so
 # that "stock" elsewhere is transformers' own torch fallback; a liger_kernel wheel there serves the blocks part.
@@ -19,8 +22,8 @@ OUT=${OUT:-./deltafuse-out}
 PARTS=" ${*:-all} "
 for part in $PARTS; do
   case $part in
-    tests|gdn|blocks|e2e|long|all) ;;
-    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, blocks, e2e, long, all" >&2; exit 2 ;;
+    tests|gdn|blocks|loss|e2e|long|all) ;;
+    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, blocks, loss, e2e, long, all" >&2; exit 2 ;;
   esac
 done
 # want PART: is PART (or all) among the parts asked for
@@ -45,14 +48,14 @@ fi
 if want gdn; then
   step "$OUT/gdn_all.log" env OUT="$OUT" bash benchmarks/run_gdn_gpu.sh
 fi
-if want blocks; then
+if want blocks || want loss; then
   # Liger (pure Python + Triton) from a carried wheel, for its rows only; a separate target keeps FLA out
   if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/liger \
       .whl/liger_kernel-*.whl
     export PYTHONPATH=$PYTHONPATH:/tmp/liger
   fi
-  step "$OUT/block_ops.log" python3 benchmarks/bench_block_ops.py "$OUT/block_ops.json"
+  want blocks && step "$OUT/block_ops.log" python3 benchmarks/bench_block_ops.py "$OUT/block_ops.json"
   step "$OUT/loss_moe.log" python3 benchmarks/bench_loss_moe.py "$OUT/loss_moe.json"
 fi
 if want e2e; then
@@ -66,9 +69,15 @@ if want long; then
   step "$OUT/e2e_moe8_16k.log" python3 -m deltafuse bench e2e --model moe8 --seq-len 16384 --max-steps 10 \
     --interval 5 --no-progress --output-dir "$OUT/e2e_moe8_16k" --overwrite
   rm -rf "$OUT/e2e_moe8_16k"/{on,off}/checkpoint-* "$OUT/e2e_moe8_16k"/{on,off}/final
-  step "$OUT/train_moe8_64k.log" python3 -m deltafuse train --model moe8 --seq-len 65536 --max-steps 3 \
-    --gradient-checkpointing --log-every 1 --no-progress --output-dir "$OUT/train_moe8_64k" --overwrite
-  rm -rf "$OUT/train_moe8_64k"/checkpoint-* "$OUT/train_moe8_64k"/final
+  python3 benchmarks/long_rows.py "$OUT/long_rows.jsonl" --rows 12 --chars 70000
+  step "$OUT/e2e_moe8_16k_single.log" python3 -m deltafuse bench e2e --model moe8 --data "$OUT/long_rows.jsonl" \
+    --no-packing --seq-len 16384 --max-steps 6 --interval 3 --no-progress --output-dir "$OUT/e2e_moe8_16k_single" \
+    --overwrite
+  rm -rf "$OUT/e2e_moe8_16k_single"/{on,off}/checkpoint-* "$OUT/e2e_moe8_16k_single"/{on,off}/final
+  step "$OUT/train_moe8_64k_single.log" python3 -m deltafuse train --model moe8 --data "$OUT/long_rows.jsonl" \
+    --no-packing --seq-len 65536 --max-steps 3 --gradient-checkpointing --log-every 1 --no-progress \
+    --output-dir "$OUT/train_moe8_64k_single" --overwrite
+  rm -rf "$OUT/train_moe8_64k_single"/checkpoint-* "$OUT/train_moe8_64k_single"/final "$OUT/long_rows.jsonl"
 fi
 if [[ -n ${PACK_TO:-} ]]; then
   tar czf "$PACK_TO" -C "$OUT" . && echo "packed $OUT into $PACK_TO" || rc=1

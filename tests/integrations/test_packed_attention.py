@@ -16,13 +16,13 @@ pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
 
 def _dense_block_causal(q, k, v, offsets, scaling):
-    """Reference: one SDPA over each whole row with the [T, T] block-causal mask, float64."""
+    """Reference: one SDPA over each whole row with the [T, T] block-causal mask (float64 in the tests)."""
     B, Hq, T, _ = q.shape
     seq = torch.zeros(B * T, dtype=torch.long)
     for i, (s, e) in enumerate(zip(offsets[:-1], offsets[1:])):
         seq[s:e] = i
-    seq = seq.view(B, T)
-    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    seq = seq.view(B, T).to(q.device)
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=q.device))
     mask = (seq[:, :, None] == seq[:, None, :]) & causal  # [B, T, T]
     group = Hq // k.shape[1]
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
@@ -246,20 +246,9 @@ def test_gpu_bf16_routes_equal_float64_dense(impl):
     out = fn(*low, offsets, cu_seqlens=torch.tensor(offsets, device="cuda", dtype=torch.int32))
     got = [out] + list(torch.autograd.grad((out.float() * dy).sum(), low))
     ref_leaves = [t.double().requires_grad_() for t in leaves]
-    want = _dense_block_causal_cuda(*ref_leaves, offsets)
+    want = _dense_block_causal(*ref_leaves, offsets, None)
     want = [want] + list(torch.autograd.grad((want * dy.double()).sum(), ref_leaves))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         err = float((a.double() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
         assert err < 1e-2, f"{impl} {name}: relative RMS error {err:.2e}"
 
-
-def _dense_block_causal_cuda(q, k, v, offsets):
-    seq = torch.zeros(q.shape[2], dtype=torch.long, device=q.device)
-    seq[torch.tensor(offsets[1:-1], device=q.device)] = 1
-    seq = seq.cumsum(0)
-    pos = torch.arange(q.shape[2], device=q.device)
-    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
-    group = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                         attn_mask=mask[None, None])
-    return out.transpose(1, 2)

@@ -179,10 +179,19 @@ def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += torch.mm(a, b).to(acc.dtype)
 
 
-def _weight_grad_buffer(weight: torch.Tensor) -> torch.Tensor:
-    acc = weight.dtype if weight.dtype in (torch.float32, torch.float64) or \
-        weight.numel() > FP32_ACCUMULATE_MAX else torch.float32
-    return torch.zeros(weight.shape, dtype=acc, device=weight.device)
+def _outputs(hidden, weight, bias, needs):
+    """The buffers both ways fill: the summed row losses and the gradients asked for (dh, dw, db)."""
+    need_dh, need_dw, need_db = needs
+    device = hidden.device
+    dh = torch.empty_like(hidden) if need_dh else None
+    dw = None
+    if need_dw:
+        acc = weight.dtype if weight.dtype in (torch.float32, torch.float64) or \
+            weight.numel() > FP32_ACCUMULATE_MAX else torch.float32
+        dw = torch.zeros(weight.shape, dtype=acc, device=device)
+    db = torch.zeros((weight.shape[0],), dtype=_compute_dtype(bias.dtype), device=device) if need_db else None
+    total = torch.zeros((), dtype=_compute_dtype(hidden.dtype), device=device)
+    return total, dh, dw, db
 
 
 def _chunked_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs, *, chunk_size, logits_out,
@@ -191,10 +200,7 @@ def _chunked_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs,
     need_dh, need_dw, need_db = needs
     n = hidden.shape[0]
     ct = _compute_dtype(hidden.dtype)
-    dh = torch.empty_like(hidden) if need_dh else None
-    dw = _weight_grad_buffer(weight) if need_dw else None
-    db = torch.zeros((weight.shape[0],), dtype=_compute_dtype(bias.dtype), device=hidden.device) if need_db else None
-    total = torch.zeros((), dtype=ct, device=hidden.device)
+    total, dh, dw, db = _outputs(hidden, weight, bias, needs)
     for s in range(0, n, chunk_size):
         e = min(n, s + chunk_size)
         h = hidden[s:e]
@@ -225,10 +231,7 @@ def _blocked_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs,
     vocab = weight.shape[0]
     device = hidden.device
     ct = _compute_dtype(hidden.dtype)
-    dh = torch.empty_like(hidden) if need_dh else None
-    dw = _weight_grad_buffer(weight) if need_dw else None
-    db = torch.zeros((vocab,), dtype=_compute_dtype(bias.dtype), device=device) if need_db else None
-    total = torch.zeros((), dtype=ct, device=device)
+    total, dh, dw, db = _outputs(hidden, weight, bias, needs)
     blocks = [(v0, min(vocab, v0 + vocab_chunk)) for v0 in range(0, vocab, vocab_chunk)]
     # Frozen head and bias: the hidden gradient is accumulated online in the first (only) pass.
     one_pass = not (need_dw or need_db)

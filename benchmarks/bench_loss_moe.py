@@ -4,6 +4,8 @@ Loss path (hidden 2,048, vocab 248,320, bf16, random data) at 4,096 and 16,384 t
 (LoRA training) and a trainable head:
   stock   lm_head (F.linear) + transformers' ForCausalLMLoss
   liger   Liger-Kernel's fused linear cross-entropy (when ``liger_kernel`` imports)
+  trl     TRL's fused LM head (``ChunkedLogProbFunction``, when ``trl`` imports): the fields its SFTTrainer
+          asks for (log_probs, entropy, is_top1) and log_probs alone
   ours    deltafuse.ops.cross_entropy with backend 'triton' and 'torch', by default (vocabulary blocks) and
           with whole-vocabulary token chunks, plus the block sizes given by --blocks
 Experts at Qwen3.5-35B-A3B sizes (256 experts, top-8, I = 512, H = 2,048), 4,096 tokens, bf16:
@@ -36,7 +38,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from deltafuse.bench.cases import QWEN35_35B_A3B as SIZES  # noqa: E402  (shared with `deltafuse bench ops`)
-from deltafuse.bench.cases import liger_fused_linear_cross_entropy  # noqa: E402
+from deltafuse.bench.cases import TRL_SFT_OUTPUTS, liger_fused_linear_cross_entropy  # noqa: E402
+from deltafuse.bench.cases import trl_chunked_logprob_loss  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -160,7 +163,6 @@ def _loss_cases(args):
             def ours(**cfg):
                 return lambda: fused_linear_cross_entropy(hidden, weight, labels, **cfg).backward()
 
-            # (name, fn, the op's arguments for the loss check)
             configs = [("deltafuse-triton", dict(backend="triton")),
                        ("deltafuse-triton-wholevocab", dict(backend="triton", vocab_chunk_size=V)),
                        ("deltafuse-torch", dict(backend="torch")),
@@ -169,6 +171,7 @@ def _loss_cases(args):
                                                                     chunk_size=c)) for c in args.chunk_sizes]
             configs += [(f"deltafuse-triton-c{c}-v{v}", dict(backend="triton", chunk_size=c, vocab_chunk_size=v))
                         for c, v in args.blocks]
+            # (name, forward + backward, None (stock) | the op's arguments | a peer's loss function)
             impls = [("stock", stock, None)] + [(name, ours(**cfg), cfg) for name, cfg in configs]
             try:
                 liger = liger_fused_linear_cross_entropy(ignore_index=-100)
@@ -180,6 +183,14 @@ def _loss_cases(args):
             except Exception as exc:  # noqa: BLE001
                 rows.append({"bench": "loss", "tokens": n, "head": head, "impl": "liger",
                              "error": f"not run: {type(exc).__name__}: {exc}"})
+            for name, fields in (("trl-sft", TRL_SFT_OUTPUTS), ("trl-logprobs", ("log_probs",))):
+                try:
+                    trl_loss = trl_chunked_logprob_loss(fields)
+                    impls.insert(2, (name, lambda f=trl_loss: f(hidden, weight, labels).backward(),
+                                     lambda f=trl_loss: f(hidden, weight, labels)))
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({"bench": "loss", "tokens": n, "head": head, "impl": name,
+                                 "error": f"not run: {type(exc).__name__}: {exc}"})
             with torch.no_grad():
                 ref = float(ForCausalLMLoss(F.linear(hidden, weight), labels, V))
             for name, fn, cfg in impls:
@@ -187,7 +198,10 @@ def _loss_cases(args):
                 try:
                     ms, peak = _measure(fn, leaves, args.rep)
                     row.update(ms=ms, peak_mib=peak)
-                    if cfg is not None:
+                    if callable(cfg):  # a peer: its loss function
+                        with torch.no_grad():
+                            row["loss_abs_diff_vs_stock"] = abs(float(cfg()) - ref)
+                    elif cfg is not None:
                         got = float(fused_linear_cross_entropy(hidden, weight, labels, **cfg).detach())
                         row["chunk_size"] = cfg.get("chunk_size", "default")
                         row["vocab_chunk_size"] = cfg.get("vocab_chunk_size", "default")

@@ -14,7 +14,8 @@
 #           (peak memory in the logs)
 #
 # Run from the repository root. Wheels in .whl/ (fla_core, einops) are installed for the gdn part only, so
-# that "stock" elsewhere is transformers' own torch fallback; a liger_kernel wheel there serves the blocks part.
+# that "stock" elsewhere is transformers' own torch fallback; liger_kernel and trl wheels (with datasets, dill and
+# multiprocess) there serve the blocks and loss parts.
 # Logs and JSON go under $OUT. PACK_TO=/path/file.tgz also packs $OUT into one archive at the end (for
 # transports that bring back only a few files).
 set -uo pipefail
@@ -49,11 +50,13 @@ if want gdn; then
   step "$OUT/gdn_all.log" env OUT="$OUT" bash benchmarks/run_gdn_gpu.sh
 fi
 if want blocks || want loss; then
-  # Liger (pure Python + Triton) from a carried wheel, for its rows only; a separate target keeps FLA out
-  if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/liger \
-      .whl/liger_kernel-*.whl
-    export PYTHONPATH=$PYTHONPATH:/tmp/liger
+  # Liger (pure Python + Triton) and TRL (with datasets, dill, multiprocess, which the image lacks) from carried
+  # wheels, for their rows only; a separate target keeps FLA out
+  peers=$(ls .whl/liger_kernel-*.whl .whl/trl-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl \
+    2>/dev/null)
+  if [[ -n $peers ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peers $peers
+    export PYTHONPATH=$PYTHONPATH:/tmp/peers
   fi
   want blocks && step "$OUT/block_ops.log" python3 benchmarks/bench_block_ops.py "$OUT/block_ops.json"
   step "$OUT/loss_moe.log" python3 benchmarks/bench_loss_moe.py "$OUT/loss_moe.json"

@@ -96,3 +96,26 @@ def liger_fused_linear_cross_entropy(ignore_index: int = -100):
         return loss(weight, hidden.reshape(-1, hidden.shape[-1]), shifted)
 
     return apply
+
+
+# --- TRL's fused LM head (imported when called) -----------------------------------------------------------
+# The per-token fields TRL's SFTTrainer asks its fused head for (log_probs feeds the loss, the rest the metrics).
+TRL_SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
+
+
+def trl_chunked_logprob_loss(outputs: tuple[str, ...] = TRL_SFT_OUTPUTS, ignore_index: int = -100):
+    """fn(hidden [..., T, H], weight [V, H], labels [..., T]) -> mean loss, the way TRL's ``add_fused_lm_head``
+    computes it: positions whose shifted label is counted are gathered, ``ChunkedLogProbFunction`` gives their
+    log-probabilities (and the ``outputs`` fields), the loss is their negated mean."""
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    def apply(hidden, weight, labels):
+        h = hidden[..., :-1, :].reshape(-1, hidden.shape[-1])
+        y = labels[..., 1:].reshape(-1)
+        mask = y != ignore_index
+        log_probs = ChunkedLogProbFunction.apply(h[mask], weight, None, y[mask], 1.0,
+                                                 _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, outputs)[0]
+        return -log_probs.sum() / mask.sum().clamp(min=1)
+
+    return apply

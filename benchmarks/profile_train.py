@@ -1,0 +1,203 @@
+"""GPU profile of `deltafuse train`: what compiles at which step, and the Trainer step against a plain loop.
+
+One process, one model:
+1. `deltafuse train ARGS...` runs in-process. Every Triton compilation is recorded with the step it happened
+   in and its wall time (Triton's JIT hooks), every step is timed (CUDA synchronised around
+   ``Trainer.training_step``'s caller, i.e. the whole optimizer step), the batches of the run are kept, and
+   ``--profile-steps`` steady steps run under ``torch.profiler``.
+2. The same packed rows then run again in a plain PyTorch loop (forward, backward, clip, AdamW step, zero
+   grad) on the trained model, timed and profiled the same way: the difference is what the Trainer adds.
+
+    python benchmarks/profile_train.py OUT.json -- --model dense8 --seq-len 4096 --max-steps 30 --no-progress \
+        --output-dir /tmp/prof --overwrite
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+
+class CompileLog:
+    """Triton compilations (kernel, step, seconds) from the JIT cache hooks (Triton >= 3.4 knobs)."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.step = 0
+        self._start: dict = {}
+
+    def install(self) -> bool:
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+
+        def before(*, fn, **kw):
+            self._start[id(fn)] = time.perf_counter()
+            return False  # never skip the compilation
+
+        def after(*, fn, **kw):
+            t0 = self._start.pop(id(fn), None)
+            self.events.append({"step": self.step, "kernel": getattr(fn, "name", repr(fn)),
+                                "seconds": None if t0 is None else time.perf_counter() - t0,
+                                "constants": repr(kw.get("constants"))[:300]})
+
+        knobs.runtime.jit_cache_hook = before
+        knobs.runtime.jit_post_compile_hook = after
+        return True
+
+
+def _sync():
+    if torch.cuda.is_available():
+        _sync()
+
+
+def _top(prof, key: str, n: int = 25) -> str:
+    return prof.key_averages().table(sort_by=key, row_limit=n)
+
+
+def _profile(run_step, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            run_step()
+        _sync()
+    return {"by_cuda_time": _top(prof, "cuda_time_total") if cuda else None, "by_cpu_time": _top(prof, "cpu_time_total")}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, train_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", help="JSON file to write")
+    p.add_argument("--profile-steps", type=int, default=3, help="steady steps under torch.profiler (default 3)")
+    args = p.parse_args(ours)
+    import transformers
+
+    from deltafuse.train.cli import main as train_main
+
+    log = CompileLog()
+    hooks = log.install()
+    captured = {"batches": [], "times": [], "trainer": None}
+    original_step = transformers.Trainer.training_step
+    original_train = transformers.Trainer.train
+
+    def training_step(self, model, inputs, *a, **kw):
+        captured["trainer"] = self
+        if len(captured["batches"]) < 64:
+            captured["batches"].append({k: v.detach().clone() if torch.is_tensor(v) else v
+                                        for k, v in inputs.items()})
+        return original_step(self, model, inputs, *a, **kw)
+
+    # the whole optimizer step: from one step's begin to the next (callbacks see both)
+    class StepClock(transformers.TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            _sync()
+            log.step = state.global_step + 1
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            _sync()
+            captured["times"].append(time.perf_counter() - self.t0)
+
+    def train(self, *a, **kw):
+        self.add_callback(StepClock())
+        return original_train(self, *a, **kw)
+
+    transformers.Trainer.training_step = training_step
+    transformers.Trainer.train = train
+    try:
+        rc = train_main(train_argv)
+    finally:
+        transformers.Trainer.training_step = original_step
+        transformers.Trainer.train = original_train
+    trainer = captured["trainer"]
+    result = {"train_argv": train_argv, "train_rc": rc, "compile_hooks": hooks, "torch": torch.__version__,
+              "transformers": transformers.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+              "trainer_step_s": captured["times"], "compiles": log.events}
+    try:
+        import triton
+
+        result["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if trainer is None or not captured["batches"]:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print("no training step ran", file=sys.stderr)
+        return 1
+
+    # Trainer: a few more steps under the profiler (same trainer, same data)
+    model = trainer.model
+    model.train()
+    batches = captured["batches"]
+    it = iter(range(10 ** 9))
+
+    def trainer_step():
+        batch = batches[next(it) % len(batches)]
+        trainer.training_step(model, batch)
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        model.zero_grad(set_to_none=True)
+
+    result["trainer_profile"] = _profile(trainer_step, args.profile_steps)
+
+    # plain loop on the same rows
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    log.step = -1  # compilations from here on belong to the plain loop
+    amp = trainer.args.bf16 or trainer.args.fp16
+
+    def loop_step(batch):
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bool(amp and trainer.args.bf16)):
+            out = model(**batch)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, trainer.args.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = []
+    for batch in batches:
+        _sync()
+        t0 = time.perf_counter()
+        loop_step(batch)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    result["loop_step_s"] = times
+    j = iter(range(10 ** 9))
+    result["loop_profile"] = _profile(lambda: loop_step(batches[next(j) % len(batches)]), args.profile_steps)
+
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else None
+
+    steady = captured["times"][3:]
+    result["summary"] = {
+        "trainer_median_s_after_step3": med(steady), "loop_median_s": med(times[3:] or times),
+        "trainer_max_after_step3": max(steady) if steady else None,
+        "compiles_per_step": {s: sum(1 for e in log.events if e["step"] == s)
+                              for s in sorted({e["step"] for e in log.events})},
+        "compile_seconds_per_step": {s: round(sum(e["seconds"] or 0 for e in log.events if e["step"] == s), 3)
+                                     for s in sorted({e["step"] for e in log.events})},
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["summary"], indent=2))
+    print(result["trainer_profile"]["by_cpu_time"])
+    print(result["loop_profile"]["by_cpu_time"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -58,7 +58,7 @@ class CompileLog:
 
 def _sync():
     if torch.cuda.is_available():
-        _sync()
+        torch.cuda.synchronize()
 
 
 def _top(prof, key: str, n: int = 25) -> str:

@@ -129,8 +129,9 @@ def public_op(name: str):
                         continue
                 elif any(_kind_ok(k, value) for k in kinds):
                     continue
-                raise ArgumentTypeError(f"{name}: {arg} must be {allowed}, got {type(value).__name__} "
-                                        f"({short_repr(value)})")
+                got = (f"{type(value).__name__} ({short_repr(value)})" if torch.Tensor in kinds else
+                       f"{short_repr(value)} ({type(value).__name__})")
+                raise ArgumentTypeError(f"{name}: {arg} must be {allowed}, got {got}")
             try:
                 return fn(*args, **kwargs)
             except ArgumentError as exc:

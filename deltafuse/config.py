@@ -3,10 +3,15 @@
 Switches accept 1/0, true/false, yes/no, on/off (any case). Anything else raises ``SettingsError`` naming
 the variable, the value and what is allowed. The seed project's ``TWINKLE_NPU_*`` names are accepted as
 aliases; when both spellings are set and disagree, the ``DELTAFUSE_*`` value wins and a warning says so.
+
+Every ``DELTAFUSE_*`` variable is parsed here and nowhere else: ``load_settings`` for the whole set,
+``env_switch`` / ``parse_backend`` for code that reads one of them per call (the ops, the registry).
+The backend names that may be forced are the ones registered (``deltafuse.backends``), plus ``auto``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -14,7 +19,6 @@ from typing import Mapping
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
-BACKENDS = ("auto", "triton", "fla", "torch")
 
 
 class SettingsError(ValueError):
@@ -25,7 +29,7 @@ class SettingsError(ValueError):
 class Switch:
     field: str
     name: str
-    alias: str
+    alias: str | None
     default: bool
     doc: str
 
@@ -39,6 +43,8 @@ SWITCHES = (
            "norms, RoPE, SwiGLU, attention and loss routes"),
     Switch("moe", "DELTAFUSE_MOE", "TWINKLE_NPU_MOE_PATCH", True,
            "mixture-of-experts routes"),
+    Switch("validate", "DELTAFUSE_VALIDATE", None, False,
+           "also check tensor values (cu_seqlens, expert ids) on accelerators, which synchronises the device"),
 )
 
 
@@ -49,9 +55,13 @@ class Settings:
     fused_ops: bool = True
     moe: bool = True
     backend: str = "auto"
+    validate: bool = False
 
 
 def parse_bool(name: str, value: str) -> bool:
+    if not isinstance(value, str):
+        raise SettingsError(f"{name}={value!r} is not a switch value (a str, got {type(value).__name__}); "
+                            f"allowed (any case): {'/'.join(TRUE_WORDS + FALSE_WORDS)}")
     word = value.strip().lower()
     if word in TRUE_WORDS:
         return True
@@ -61,16 +71,43 @@ def parse_bool(name: str, value: str) -> bool:
     raise SettingsError(f"{name}={value!r} is not a switch value; allowed (any case): {allowed}")
 
 
-def check_backend(name: str, value: str) -> str:
-    word = value.strip().lower()
-    if word not in BACKENDS:
-        raise SettingsError(f"{name}={value!r} is not a backend; allowed: {', '.join(BACKENDS)}")
+def forceable_backends() -> tuple[str, ...]:
+    """'auto' and every backend name some op has registered (in registration order)."""
+    from deltafuse.backends import REGISTRY  # the registry knows the names; imported here, not at module level
+
+    return ("auto",) + REGISTRY.backend_names()
+
+
+def parse_backend(name: str, value) -> str:
+    """The backend named by ``value`` (env variable or argument ``name``), lower-cased; '' means 'auto'.
+
+    Allowed: 'auto' and every registered backend name. An op that has no backend of that name keeps its own
+    automatic choice (a per-call ``backend=`` the op lacks is refused by ``deltafuse.backends.select``)."""
+    allowed = forceable_backends()
+    if not isinstance(value, str):
+        raise SettingsError(f"{name}={value!r} is not a backend name (a str, got {type(value).__name__}); "
+                            f"allowed: {', '.join(allowed)}")
+    word = value.strip().lower() or "auto"
+    if word not in allowed:
+        raise SettingsError(f"{name}={value!r} is not a backend; allowed: {', '.join(allowed)}")
     return word
+
+
+@functools.lru_cache(maxsize=64)
+def _env_switch(name: str, raw: str | None) -> bool:
+    sw = next(s for s in SWITCHES if s.name == name)
+    return _switch({} if raw is None else {name: raw}, sw)
+
+
+def env_switch(name: str) -> bool:
+    """One switch read from ``os.environ`` now (cheap per call: parsed once per distinct value); raises
+    ``SettingsError`` for a value that is not a switch word. Aliases are not consulted here."""
+    return _env_switch(name, os.environ.get(name))
 
 
 def _switch(env: Mapping[str, str], sw: Switch) -> bool:
     ours = env.get(sw.name)
-    alias = env.get(sw.alias)
+    alias = env.get(sw.alias) if sw.alias is not None else None
     ours_v = parse_bool(sw.name, ours) if ours is not None and ours.strip() != "" else None
     alias_v = parse_bool(sw.alias, alias) if alias is not None and alias.strip() != "" else None
     if ours_v is not None and alias_v is not None and ours_v != alias_v:
@@ -90,8 +127,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     values = {sw.field: _switch(env, sw) for sw in SWITCHES}
     raw_backend = env.get("DELTAFUSE_BACKEND")
-    backend = "auto" if raw_backend is None or raw_backend.strip() == "" else check_backend(
-        "DELTAFUSE_BACKEND", raw_backend)
+    backend = "auto" if raw_backend is None else parse_backend("DELTAFUSE_BACKEND", raw_backend)
     return Settings(backend=backend, **values)
 
 
@@ -102,7 +138,7 @@ def resolve(settings: Settings, **overrides) -> Settings:
         if value is None:
             continue
         if key == "backend":
-            fields[key] = check_backend("backend", str(value)) if isinstance(value, str) else _bad_backend(value)
+            fields[key] = parse_backend("backend", value)
         elif key in ("patch", "gdn", "fused_ops", "moe"):
             if not isinstance(value, bool):
                 raise SettingsError(f"{key}={value!r} must be True, False or None (take the environment)")
@@ -110,7 +146,3 @@ def resolve(settings: Settings, **overrides) -> Settings:
         else:
             raise SettingsError(f"unknown setting {key!r}; known: patch, gdn, fused_ops, moe, backend")
     return Settings(**{**settings.__dict__, **fields})
-
-
-def _bad_backend(value) -> str:
-    raise SettingsError(f"backend={value!r} must be a string, one of: {', '.join(BACKENDS)}")

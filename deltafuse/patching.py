@@ -13,7 +13,8 @@ with labels and gradients on, the output has ``logits=None``; pass ``deltafuse_l
 call, or call it without gradients, to get logits from the stock loss path); ``moe`` registers deltafuse's
 experts function in transformers' experts interface as ``"deltafuse"`` and serves with it every experts
 module whose config selects a torch implementation (eager, grouped_mm, batched_mm). ``backend`` forces one
-backend for every op ('auto' = DELTAFUSE_BACKEND).
+backend for every op that has it ('auto' = DELTAFUSE_BACKEND); an op without a backend of that name keeps
+its automatic choice.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _lock = threading.RLock()
 _saved_override: list = []  # backend override in effect before the first apply (restored by revert)
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(TypeError, ValueError):
     """``apply(model)`` was given an object holding no Qwen3.5 / Qwen3.5-MoE / Qwen3-Next model."""
 
 
@@ -51,24 +52,53 @@ def _supported_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if PATCHER.owns(type(m))]
 
 
+_MAX_DEPTH = 6  # wrapper levels followed (PEFT + DDP + accelerate + a user holder is 4)
+_MAX_VISITED = 32  # objects looked at in all
+
+
+def _type_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _is_module(obj) -> bool:
+    # by the real type: a Mock(spec=nn.Module) passes isinstance() but is no module
+    return issubclass(type(obj), torch.nn.Module)
+
+
 def find_model(obj) -> torch.nn.Module:
     """The torch module holding a supported model, looking through wrappers breadth-first.
 
     An ``nn.Module`` whose submodules include a supported family's layers is returned as is (PEFT, DDP and
     FSDP wrappers hold the model as a submodule); otherwise ``get_base_model()``, ``.module``, ``.base_model``
-    and ``.model`` are followed. Raises ``UnsupportedModelError`` naming every type walked.
+    and ``.model`` are followed, at most 6 levels deep and through at most 32 objects, each object once (by
+    identity), so objects that answer every attribute (mocks) or refer to themselves end the search. Only an
+    ``nn.Module`` (by its real type) is ever returned. ``None`` is not a model: ``apply(None)`` patches the
+    modeling modules only, ``find_model(None)`` raises. Raises ``UnsupportedModelError`` (a TypeError and a
+    ValueError) naming the type given and every object walked, with the path that reached it.
     """
+    if obj is None:
+        raise UnsupportedModelError("find_model(None): no model given; pass the model (or its wrapper), or call "
+                                    "apply() without a model to patch the modeling modules only")
     walked: list[str] = []
     seen: set[int] = set()
-    queue = [("model", obj)]
+    keep = []  # objects produced by get_base_model() stay alive, so that their ids are not reused
+    queue = [("model", obj, 0)]
+    cut = False
     while queue:
-        path, current = queue.pop(0)
+        path, current, depth = queue.pop(0)
         if id(current) in seen:
             continue
+        if len(seen) >= _MAX_VISITED:
+            cut = True
+            break
         seen.add(id(current))
-        walked.append(f"{path}: {type(current).__module__}.{type(current).__qualname__}")
-        if isinstance(current, torch.nn.Module) and _supported_modules(current):
+        keep.append(current)
+        walked.append(f"{path}: {_type_name(current)}")
+        if _is_module(current) and _supported_modules(current):
             return current
+        if depth >= _MAX_DEPTH:
+            cut = cut or not _is_module(current)
+            continue
         for name in _WRAPPER_ATTRIBUTES:
             try:
                 child = getattr(current, name)
@@ -79,13 +109,16 @@ def find_model(obj) -> torch.nn.Module:
                     name = "get_base_model()"
             except Exception:  # wrappers may raise anything from properties; it only means "not here"
                 continue
-            if child is not None and not isinstance(child, (str, bytes, int, float, bool)):
-                queue.append((f"{path}.{name}", child))
+            if child is not None and child is not current and not isinstance(child, (str, bytes, int, float, bool)):
+                queue.append((f"{path}.{name}", child, depth + 1))
     families = ", ".join(f"{m.family} ({m.module})" for m in PATCHER.maps)
+    shown = walked if len(walked) <= 12 else walked[:12] + [f"... {len(walked) - 12} more"]
+    limit = (f" The search stopped at its limit ({_MAX_DEPTH} levels, {_MAX_VISITED} objects): each object "
+             f"walked had another one behind it (a mock answers every attribute).") if cut or len(seen) >= _MAX_VISITED else ""
     raise UnsupportedModelError(
-        f"apply(model=...) found no supported model in the object given (type "
-        f"{type(obj).__module__}.{type(obj).__qualname__}). Supported: models built from {families}. "
-        f"Walked (through {', '.join(_WRAPPER_ATTRIBUTES)}): " + "; ".join(walked))
+        f"apply(model=...) found no supported model in the object given (type {_type_name(obj)}). Supported: "
+        f"an nn.Module built from {families}, or a wrapper holding one.{limit} "
+        f"Walked (through {', '.join(_WRAPPER_ATTRIBUTES)}): " + "; ".join(shown))
 
 
 def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None, moe: bool | None = None,
@@ -94,7 +127,7 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
 
     Applying again changes nothing (rows show "already applied"). ``revert()`` undoes everything.
     """
-    # resolve() checks every argument (the switches are bools or None, backend one of BACKENDS)
+    # resolve() checks every argument (the switches are bools or None, backend a registered name)
     forced = None if backend == "auto" else backend
     settings = resolve(load_settings(), gdn=gdn, fused_ops=fused_ops, moe=moe, backend=forced)
     backend = "auto" if forced is None else settings.backend

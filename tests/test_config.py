@@ -2,7 +2,8 @@ import warnings
 
 import pytest
 
-from deltafuse.config import Settings, SettingsError, load_settings, resolve
+from deltafuse.backends import REGISTRY
+from deltafuse.config import Settings, SettingsError, env_switch, forceable_backends, load_settings, resolve
 
 
 def test_defaults_all_on():
@@ -27,8 +28,50 @@ def test_bad_switch_value_names_variable_and_allowed(var):
 
 def test_backend_values():
     assert load_settings({"DELTAFUSE_BACKEND": "Triton"}).backend == "triton"
-    with pytest.raises(SettingsError, match="DELTAFUSE_BACKEND='cuda'.*auto, triton, fla, torch"):
+    assert load_settings({"DELTAFUSE_BACKEND": " "}).backend == "auto"
+    with pytest.raises(SettingsError, match="DELTAFUSE_BACKEND='cuda' is not a backend; allowed: auto, triton, "
+                                            "fla, npu, torch"):
         load_settings({"DELTAFUSE_BACKEND": "cuda"})
+
+
+def test_forceable_backends_are_the_registered_names():
+    registered = {c.name for op in REGISTRY.ops for c in REGISTRY.candidates(op)}
+    names = forceable_backends()
+    assert names[0] == "auto" and set(names[1:]) == registered and len(names) == len(set(names))
+    assert {"triton", "fla", "npu", "torch"} <= registered
+    # every registered name can be forced through the environment (npu could not be before)
+    for name in registered:
+        assert load_settings({"DELTAFUSE_BACKEND": name.upper()}).backend == name
+
+
+@pytest.mark.parametrize("value", [3, 1.5, ["torch"], b"torch", True])
+def test_backend_argument_of_the_wrong_type(value):
+    with pytest.raises(SettingsError) as err:
+        resolve(load_settings({}), backend=value)
+    msg = str(err.value)
+    assert f"backend={value!r}" in msg and type(value).__name__ in msg and "auto, triton, fla, npu, torch" in msg
+
+
+@pytest.mark.parametrize("word,value", [("1", True), ("TRUE", True), ("Yes", True), ("on", True), ("0", False),
+                                        ("false", False), ("NO", False), ("Off", False), ("", False)])
+def test_validate_switch_words(word, value, monkeypatch):
+    assert load_settings({"DELTAFUSE_VALIDATE": word}).validate is value
+    monkeypatch.setenv("DELTAFUSE_VALIDATE", word)
+    assert env_switch("DELTAFUSE_VALIDATE") is value
+
+
+@pytest.mark.parametrize("word", ["garbage", "2", "enabled", "y"])
+def test_validate_bad_value_is_an_error(word, monkeypatch):
+    with pytest.raises(SettingsError, match=rf"DELTAFUSE_VALIDATE='{word}' is not a switch value"):
+        load_settings({"DELTAFUSE_VALIDATE": word})
+    monkeypatch.setenv("DELTAFUSE_VALIDATE", word)
+    with pytest.raises(SettingsError, match=rf"DELTAFUSE_VALIDATE='{word}'.*allowed \(any case\): 1/true/yes/on"):
+        env_switch("DELTAFUSE_VALIDATE")
+
+
+def test_validate_unset_is_off(monkeypatch):
+    monkeypatch.delenv("DELTAFUSE_VALIDATE", raising=False)
+    assert env_switch("DELTAFUSE_VALIDATE") is False and load_settings({}).validate is False
 
 
 @pytest.mark.parametrize("alias,field", [("TWINKLE_NPU_PATCH", "patch"), ("TWINKLE_NPU_FUSED_OPS", "fused_ops"),

@@ -192,3 +192,87 @@ def test_fla_ascend_route_serves_npu_tensors_only(monkeypatch, op, fn):
     assert all(a is b for a, b in zip(c["args"], (q, k, v, g, beta)))
     assert c["scale"] == 0.25 and c["initial_state"] is h0 and c["output_final_state"] is True
     assert c["l2"] is True and c["cu"] is cu and torch.equal(out, v * 2)
+
+
+def test_backend_names_in_registration_order():
+    reg = _registry(Candidate("b", lambda: "B"), Candidate("a", lambda: "A"))
+    reg.register("other", Candidate("c", lambda: "C"))
+    reg.register("other", Candidate("a", lambda: "A2"))
+    assert reg.backend_names() == ("b", "a", "c") and reg.backend_names("other") == ("c", "a")
+    version = reg.version
+    reg.unregister("other", "c")
+    assert reg.backend_names() == ("b", "a") and reg.version > version
+
+
+@pytest.mark.parametrize("op", sorted(backends.REGISTRY.ops))
+@pytest.mark.parametrize("value", [3, 2.5, ["torch"], ("torch",), b"torch", torch.tensor(1), True])
+def test_per_call_backend_of_the_wrong_type_names_op_value_and_backends(op, value):
+    with pytest.raises(TypeError) as err:
+        backends.select(op, CallInfo(CPU, torch.float32, False), value)
+    msg = str(err.value)
+    assert msg.startswith(f"{op}: backend must be a backend name (a str), got {type(value).__name__}")
+    assert repr(value) in msg
+    for name in backends.REGISTRY.backend_names(op):
+        assert repr(name) in msg
+
+
+@pytest.mark.parametrize("op", sorted(backends.REGISTRY.ops))
+def test_per_call_backend_the_op_lacks_is_refused(op):
+    own = backends.REGISTRY.backend_names(op)
+    for name in [n for n in backends.REGISTRY.backend_names() if n not in own] + ["gpu", ""]:
+        with pytest.raises(backends.UnknownBackendError) as err:
+            backends.select(op, CallInfo(CPU, torch.float32, False), name)
+        msg = str(err.value)
+        assert isinstance(err.value, ValueError) and isinstance(err.value, BackendError)
+        assert msg.startswith(f"{op}: backend={name!r} is not one of its backends; allowed: 'auto', ")
+        assert all(repr(n) in msg for n in own)
+    # its own names (any case) are accepted: torch serves CPU calls for every op that has it
+    if "torch" in own:
+        assert backends.select(op, CallInfo(CPU, torch.float32, False), " Torch ") is \
+            backends.select(op, CallInfo(CPU, torch.float32, False), "torch")
+
+
+def test_global_backend_ops_without_it_keep_their_choice(monkeypatch):
+    """DELTAFUSE_BACKEND / apply(backend=) force every op that has the backend; the others choose as usual."""
+    call = CallInfo(CPU, torch.float32, False)
+    auto = {op: backends.select(op, call, "auto") for op in ("swiglu", "rms_norm_zero_centered", "causal_conv1d_fn")}
+    monkeypatch.setenv("DELTAFUSE_BACKEND", "fla")
+    for op, impl in auto.items():
+        assert "fla" not in backends.REGISTRY.backend_names(op)
+        assert backends.select(op, call) is impl
+    # an op that has it and cannot serve the call: an error, as documented
+    with pytest.raises(BackendError, match="backend 'fla' cannot serve chunk_gated_delta_rule"):
+        backends.select(gd.CHUNK, call)
+    monkeypatch.setenv("DELTAFUSE_BACKEND", "npu")  # registered, so it can be forced
+    assert backends.current_backend() == "npu"
+    with pytest.raises(BackendError, match="backend 'npu' cannot serve swiglu"):
+        backends.select("swiglu", call)
+    assert backends.select("causal_conv1d_fn", call) is auto["causal_conv1d_fn"]
+
+
+@pytest.mark.parametrize("word,interpreting", [("1", True), ("true", True), ("TRUE", True), ("on", True),
+                                               ("yes", True), ("0", False), ("false", False), ("off", False),
+                                               ("no", False), ("", False)])
+def test_triton_interpret_read_one_way(monkeypatch, word, interpreting):
+    """deltafuse's registry and both GDN kernels read TRITON_INTERPRET as Triton itself does."""
+    knobs = pytest.importorskip("triton").knobs
+    chunk = pytest.importorskip("deltafuse.ops.gated_delta.chunk")
+    monkeypatch.setenv("TRITON_INTERPRET", word)
+    assert knobs.runtime.interpret is interpreting
+    assert probes.triton_interpreting() is interpreting and chunk._interpreting() is interpreting
+    triton_row = next(c for c in backends.REGISTRY.candidates(gd.CHUNK) if c.name == "triton")
+    assert (triton_row.supports(CallInfo(CPU, torch.float32, True)) is None) is interpreting
+
+
+def test_validate_switch_is_parsed_where_values_are_checked(monkeypatch):
+    from deltafuse.config import SettingsError
+    from deltafuse.ops import _checks
+
+    meta = torch.empty(3, dtype=torch.int32, device="meta")
+    monkeypatch.setenv("DELTAFUSE_VALIDATE", "garbage")
+    with pytest.raises(SettingsError, match="DELTAFUSE_VALIDATE='garbage'"):
+        _checks.values_checkable(meta)
+    for word, expected in (("ON", True), ("off", False), ("Yes", True), ("0", False)):
+        monkeypatch.setenv("DELTAFUSE_VALIDATE", word)
+        assert _checks.values_checkable(meta) is expected
+    assert _checks.values_checkable(torch.zeros(1)) is True  # CPU values are always checked

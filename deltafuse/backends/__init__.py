@@ -12,19 +12,22 @@ from deltafuse.backends.registry import (
     Candidate,
     Decision,
     Registry,
+    UnknownBackendError,
     call_info,
 )
-from deltafuse.config import check_backend
+from deltafuse.config import parse_backend
 
-__all__ = ["REGISTRY", "BackendError", "CallInfo", "Candidate", "Decision", "Registry", "backend_override",
-           "call_info", "current_backend", "select", "set_backend_override"]
+__all__ = ["REGISTRY", "BackendError", "CallInfo", "Candidate", "Decision", "Registry", "UnknownBackendError",
+           "backend_override", "call_info", "current_backend", "select", "set_backend_override"]
 
 _override: list[str | None] = [None]
+_call_backends: dict = {}  # (op, backend argument, registry version) -> the checked name
 
 
 def set_backend_override(name: str | None) -> None:
-    """Force a backend for every op (``apply(backend=...)``); None returns to the environment."""
-    _override[0] = None if name is None else check_backend("backend", name)
+    """Force a backend for every op that has it (``apply(backend=...)``); None returns to the environment.
+    An op without a backend of that name keeps its automatic choice."""
+    _override[0] = None if name is None else parse_backend("backend", name)
 
 
 def backend_override() -> str | None:
@@ -33,22 +36,47 @@ def backend_override() -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _parse_backend_env(raw: str | None) -> str:
-    if raw is None or raw.strip() == "":
-        return "auto"
-    return check_backend("DELTAFUSE_BACKEND", raw)
+def _parse_backend_env(raw: str | None, _names_version: int) -> str:
+    return "auto" if raw is None else parse_backend("DELTAFUSE_BACKEND", raw)
 
 
 def current_backend() -> str:
     """The forced backend in effect: apply()'s argument, else DELTAFUSE_BACKEND, else 'auto'."""
     if _override[0] is not None:
         return _override[0]
-    return _parse_backend_env(os.environ.get("DELTAFUSE_BACKEND"))
+    return _parse_backend_env(os.environ.get("DELTAFUSE_BACKEND"), REGISTRY.version)
+
+
+def call_backend(op: str, backend) -> str:
+    """A per-call ``backend=`` argument checked against ``op``'s own candidates: 'auto' or one of them.
+
+    A wrong type is a TypeError, a name the op does not have an ``UnknownBackendError`` (a ValueError);
+    both name the op, the value and the op's backends. Unlike the global switch (DELTAFUSE_BACKEND,
+    ``apply(backend=...)``), which ops without that backend ignore, a call that asks for a backend its op
+    lacks is refused."""
+    try:
+        key = (op, backend, REGISTRY.version)
+        hit = _call_backends.get(key)
+    except TypeError:  # unhashable value: certainly not a name
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    allowed = ("auto",) + REGISTRY.backend_names(op)
+    shown = ", ".join(repr(n) for n in allowed)
+    if not isinstance(backend, str):
+        raise TypeError(f"{op}: backend must be a backend name (a str), got {type(backend).__name__} "
+                        f"({backend!r}); allowed: {shown}")
+    word = backend.strip().lower()
+    if word not in allowed:
+        raise UnknownBackendError(f"{op}: backend={backend!r} is not one of its backends; allowed: {shown}")
+    _call_backends[key] = word
+    return word
 
 
 def select(op: str, call: CallInfo, backend: str | None = None):
-    """The implementation of ``op`` for ``call`` (backend None = the one in effect)."""
-    return REGISTRY.select(op, call, current_backend() if backend is None else check_backend("backend", backend))
+    """The implementation of ``op`` for ``call``. ``backend`` None: the global switch in effect (ops without
+    that backend keep their automatic choice); else a per-call name ``op`` must have (see ``call_backend``)."""
+    return REGISTRY.select(op, call, current_backend() if backend is None else call_backend(op, backend))
 
 
 def _register_all() -> None:

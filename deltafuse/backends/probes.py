@@ -53,8 +53,15 @@ def triton_version() -> tuple[int, ...] | None:
 
 
 def triton_interpreting() -> bool:
-    """TRITON_INTERPRET=1: Triton kernels run on CPU tensors through the interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether Triton runs kernels through its interpreter (on CPU tensors): Triton's own reading of
+    TRITON_INTERPRET (``triton.knobs.runtime.interpret``), so deltafuse and Triton never disagree; Triton
+    versions without knobs read only "1". The one place deltafuse asks this; False without Triton."""
+    if triton_version() is None:
+        return False
+    knobs = getattr(importlib.import_module("triton"), "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)

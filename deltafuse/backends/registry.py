@@ -20,6 +20,10 @@ class BackendError(RuntimeError):
     """No candidate can serve a call, or a forced backend cannot."""
 
 
+class UnknownBackendError(BackendError, ValueError):
+    """A call forced a backend name that its op does not have."""
+
+
 @dataclass(frozen=True)
 class CallInfo:
     """What selection may look at: never tensor values, only metadata."""
@@ -83,6 +87,7 @@ class Registry:
     _selected: dict = field(default_factory=dict)
     _available: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    version: int = 0  # bumped by every register/unregister (caches keyed on the set of names use it)
 
     def register(self, op: str, candidate: Candidate, *, before: str | None = None) -> None:
         rows = self.ops.setdefault(op, [])
@@ -95,11 +100,18 @@ class Registry:
             if before not in names:
                 raise ValueError(f"before={before!r} is not a candidate of {op!r}; known: {names}")
             rows.insert(names.index(before), candidate)
+        self.version += 1
         self.clear_cache()
 
     def unregister(self, op: str, name: str) -> None:
         self.ops[op] = [c for c in self.ops.get(op, []) if c.name != name]
+        self.version += 1
         self.clear_cache()
+
+    def backend_names(self, op: str | None = None) -> tuple[str, ...]:
+        """The candidate names of ``op``, or of every op (each once, in registration order)."""
+        rows = self.candidates(op) if op is not None else [c for cands in self.ops.values() for c in cands]
+        return tuple(dict.fromkeys(c.name for c in rows))
 
     def clear_cache(self) -> None:
         with self._lock:

@@ -1,20 +1,149 @@
-"""Argument checks shared by the public ops. Every error names the argument, its value and what is allowed.
+"""Argument checks shared by the public ops. Every error names the op, the argument, its value and what is
+allowed.
+
+``public_op`` wraps every public op: it checks each argument's *kind* against the op's annotations
+(``torch.Tensor``, ``torch.Tensor | None``, ``bool``, ``int``, ``float``, ``str``) before the op's own checks
+run, and puts the op's name in front of every ``ArgumentError`` the op raises. The op's own checks then judge
+values (shapes, dtypes, ranges). A ``backend=`` argument is checked by ``deltafuse.backends.select``.
 
 Checks that would read tensor values (and so synchronise an accelerator) run only for CPU tensors, or
-everywhere when DELTAFUSE_VALIDATE=1.
+everywhere when DELTAFUSE_VALIDATE is on.
 """
 
 from __future__ import annotations
 
-import os
+import functools
+import inspect
+import numbers
+import types
+import typing
 
 import torch
+
+from deltafuse import config
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+class ArgumentError(ValueError):
+    """A public op was given an argument it does not accept (the message names the op and the argument)."""
+
+    op: str | None = None
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of the wrong kind (a list or array where a tensor goes, a tensor where a number goes...).
+    Both a TypeError and, like every argument error of the ops, a ValueError."""
+
+
 def fail(message: str) -> None:
-    raise ValueError(message)
+    raise ArgumentError(message)
+
+
+def short_repr(value, limit: int = 80) -> str:
+    """repr(value), cut to ``limit`` characters (tensors and arrays show their shape and dtype, not values)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    shape_, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if isinstance(shape_, tuple) and dtype is not None:  # numpy (and other) arrays
+        return f"array of shape {shape_} {dtype}"
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the real error
+        text = object.__repr__(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- argument kinds from annotations -----------------------------------------------------------------------
+_SYM_BOOL = tuple(t for t in (getattr(torch, "SymBool", None),) if t is not None)
+_SYM_NUM = tuple(t for t in (getattr(torch, "SymInt", None), getattr(torch, "SymFloat", None)) if t is not None)
+
+
+def _kind_ok(kind: type, value) -> bool:
+    if kind is torch.Tensor:
+        return isinstance(value, torch.Tensor)
+    if kind is bool:
+        return isinstance(value, (bool,) + _SYM_BOOL)
+    if kind in (int, float):
+        # only the kind here: a number that is not a bool; the op's own check judges floats given for ints,
+        # ranges and finiteness
+        return isinstance(value, (numbers.Real,) + _SYM_NUM) and not isinstance(value, (bool, torch.Tensor))
+    if kind is str:
+        return isinstance(value, str)
+    return True
+
+
+_KIND_TEXT = {torch.Tensor: "a torch.Tensor", bool: "True or False", int: "an int", float: "a float",
+              str: "a str"}
+
+
+def _rule(hint) -> tuple[tuple[type, ...], bool] | None:
+    """(kinds, None allowed) for an annotation this module checks, else None (the op checks it itself)."""
+    optional = False
+    members = (hint,)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = typing.get_args(hint)
+    kinds = []
+    for m in members:
+        if m is type(None):
+            optional = True
+        elif m in _KIND_TEXT:
+            kinds.append(m)
+        else:
+            return None
+    return (tuple(kinds), optional) if kinds else None
+
+
+def _allowed_text(kinds, optional) -> str:
+    words = [_KIND_TEXT[k] for k in kinds] + (["None"] if optional else [])
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def public_op(name: str):
+    """Decorator of a public op named ``name``: argument kinds checked from its annotations, and its name
+    in every ArgumentError it raises."""
+
+    def wrap(fn):
+        hints = typing.get_type_hints(fn)
+        rules = []
+        for index, param in enumerate(inspect.signature(fn).parameters.values()):
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            rule = _rule(hints.get(param.name))
+            if rule is not None:
+                position = index if param.kind != param.KEYWORD_ONLY else None
+                rules.append((param.name, position, rule[0], rule[1], _allowed_text(*rule)))
+        rules = tuple(rules)
+
+        @functools.wraps(fn)
+        def op(*args, **kwargs):
+            for arg, position, kinds, optional, allowed in rules:
+                if position is not None and position < len(args):
+                    value = args[position]
+                elif arg in kwargs:
+                    value = kwargs[arg]
+                else:
+                    continue
+                if value is None:
+                    if optional:
+                        continue
+                elif any(_kind_ok(k, value) for k in kinds):
+                    continue
+                got = (f"{type(value).__name__} ({short_repr(value)})" if torch.Tensor in kinds else
+                       f"{short_repr(value)} ({type(value).__name__})")
+                raise ArgumentTypeError(f"{name}: {arg} must be {allowed}, got {got}")
+            try:
+                return fn(*args, **kwargs)
+            except ArgumentError as exc:
+                if exc.op is None and exc.args and isinstance(exc.args[0], str):
+                    exc.op = name
+                    exc.args = (f"{name}: {exc.args[0]}",) + exc.args[1:]
+                raise
+
+        op.rules = rules
+        return op
+
+    return wrap
 
 
 def shape(t: torch.Tensor) -> str:
@@ -23,7 +152,7 @@ def shape(t: torch.Tensor) -> str:
 
 def tensor(name: str, t, ndim: int | None = None, dtypes=FLOAT_DTYPES) -> None:
     if not isinstance(t, torch.Tensor):
-        fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__} ({short_repr(t)})")
     if ndim is not None and t.dim() != ndim:
         fail(f"{name} must have {ndim} dimensions, got shape {shape(t)}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -38,8 +167,8 @@ def same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
 
 
 def values_checkable(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" or os.environ.get("DELTAFUSE_VALIDATE", "").strip().lower() in (
-        "1", "true", "yes", "on")
+    """Whether checks may read ``t``'s values: always on CPU, elsewhere when DELTAFUSE_VALIDATE is on."""
+    return t.device.type == "cpu" or config.env_switch("DELTAFUSE_VALIDATE")
 
 
 _HOST = "_deltafuse_host_offsets"
@@ -64,7 +193,8 @@ def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
 def cu_seqlens(cu: torch.Tensor, batch: int, total: int) -> int:
     """Validate cu_seqlens for a [1, total, ...] packed batch; returns the number of sequences."""
     if not isinstance(cu, torch.Tensor):
-        fail(f"cu_seqlens must be a 1-D integer torch.Tensor, got {type(cu).__name__}")
+        raise ArgumentTypeError(f"cu_seqlens must be a 1-D integer torch.Tensor, got {type(cu).__name__} "
+                                f"({short_repr(cu)})")
     if cu.dim() != 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool or cu.dtype.is_complex:
         fail(f"cu_seqlens must be a 1-D integer tensor, got shape {shape(cu)} dtype {cu.dtype}")
     if cu.numel() < 2:

@@ -29,6 +29,7 @@ def _weight_bias(x, weight, bias):
             check.fail(f"bias must be [C] = ({C},), got {check.shape(bias)}")
 
 
+@check.public_op(CONV)
 def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      seq_idx: torch.Tensor | None = None, initial_states: torch.Tensor | None = None,
                      return_final_states: bool = False, final_states_out: torch.Tensor | None = None,
@@ -67,6 +68,7 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                 final_states_out=final_states_out)
 
 
+@check.public_op(CONV_UPDATE)
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, activation: str | None = None, **kwargs):
     """One decoding step (or a few): x [B, C, T_new]; conv_state [B, C, S >= W-1] is updated in place."""

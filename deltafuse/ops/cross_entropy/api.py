@@ -40,6 +40,7 @@ def _check_num_items(num_items_in_batch, reduction):
                    f"got {num_items_in_batch!r}")
 
 
+@check.public_op(FUSED_LINEAR_CROSS_ENTROPY)
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                                bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                                num_items_in_batch=None, shift: bool = True, chunk_size: int | None = None,

@@ -60,6 +60,7 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs):
     return float(scale), backend
 
 
+@check.public_op(CHUNK)
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, scale: float | None = None,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -78,6 +79,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
+@check.public_op(RECURRENT)
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                      beta: torch.Tensor, scale: float | None = None,
                                      initial_state: torch.Tensor | None = None,

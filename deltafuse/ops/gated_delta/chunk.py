@@ -43,12 +43,11 @@ sequence boundary.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from deltafuse.backends.probes import triton_interpreting
 from deltafuse.ops._checks import host_offsets
 
 BT = 64  # chunk length; the in-chunk inverse below is written for 4 blocks of 16
@@ -57,7 +56,7 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return triton_interpreting()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,11 +11,11 @@ block [K, BV] in fp32 registers:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from deltafuse.backends.probes import triton_interpreting
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
     h0 = initial_state.contiguous() if initial_state is not None else None
     o = torch.empty(B * T, HV, V, device=q.device, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, device=q.device, dtype=torch.float32) if output_final_state else None
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = triton_interpreting()
     BK = max(16, triton.next_power_of_2(K))
     BV = min(triton.next_power_of_2(V), 16 if interp else 32)
     grid = (triton.cdiv(V, BV), N * HV)

@@ -12,6 +12,7 @@ ACTIVATIONS = ("silu",)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
+@check.public_op(MOE_EXPERTS)
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu", **kwargs) -> torch.Tensor:
     """Routed experts exactly as transformers' ``Qwen3_5MoeExperts`` / ``Qwen3NextExperts`` compute them.

@@ -27,6 +27,7 @@ def _x_weight(x, weight):
                    f"got {check.shape(weight)}")
 
 
+@check.public_op(RMS_NORM)
 def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, **kwargs) -> torch.Tensor:
     """Qwen3.5's RMSNorm: ``x * rsqrt(mean(x^2, -1) + eps) * (1 + weight)`` in fp32, cast to x's dtype.
 
@@ -43,6 +44,7 @@ def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
     return impl(x, weight, eps)
 
 
+@check.public_op(RMS_NORM_GATED)
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                    **kwargs) -> torch.Tensor:
     """Qwen3.5's gated RMSNorm: ``(weight * norm(x).to(x.dtype)) * silu(gate.float())``, cast to x's dtype.

@@ -11,6 +11,7 @@ from deltafuse.ops import _checks as check
 UNSQUEEZE = {1: 1, 2: 2, -3: 1, -2: 2}
 
 
+@check.public_op(ROPE)
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          unsqueeze_dim: int = 1, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the first rotary_dim channels of every q and k head; pass the other channels through.

@@ -9,6 +9,7 @@ from deltafuse.backends.swiglu import SWIGLU
 from deltafuse.ops import _checks as check
 
 
+@check.public_op(SWIGLU)
 def swiglu(gate: torch.Tensor, up: torch.Tensor, **kwargs) -> torch.Tensor:
     """``silu(gate) * up`` elementwise. gate, up: [..., C] of one shape and dtype. Returns gate's shape/dtype.
 

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DELTAFUSE_ENV = ("DELTAFUSE_PATCH", "DELTAFUSE_GDN", "DELTAFUSE_FUSED_OPS", "DELTAFUSE_MOE", "DELTAFUSE_BACKEND",
+                 "DELTAFUSE_VALIDATE",
                  "TWINKLE_NPU_PATCH", "TWINKLE_NPU_FLA", "TWINKLE_NPU_FUSED_OPS", "TWINKLE_NPU_MOE_PATCH")
 
 

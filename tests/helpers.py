@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from deltafuse.backends.probes import triton_interpreting
 
 
 # Where kernel tests run: the GPU when there is one, else the Triton interpreter on CPU (tests/conftest.py
 # sets TRITON_INTERPRET=1 without CUDA).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRETED = triton_interpreting()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not interpreted)")

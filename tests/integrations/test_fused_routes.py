@@ -156,10 +156,14 @@ def test_logits_when_asked_and_stock_loss_path_conditions(spy):
     assert_grads_close(got, ref_grads)
     out = model(input_ids=kwargs["input_ids"], labels=kwargs["labels"][:, -1:], logits_to_keep=1)
     assert out.logits.shape[1] == 1 and spy["fused_linear_cross_entropy"] == fused
-    # positional arguments and return_dict=False: the fused path, a tuple whose first element is the loss
+    # positional arguments: the fused path; with return_dict=False the stock path (stock's tuple)
+    out = model(kwargs["input_ids"], None, None, None, None, kwargs["labels"], use_cache=False)
+    assert spy["fused_linear_cross_entropy"] == fused + 1 and out.logits is None
+    assert rel_max(out.loss, ref.loss) < RTOL
     as_tuple = model(kwargs["input_ids"], None, None, None, None, kwargs["labels"], return_dict=False)
     assert spy["fused_linear_cross_entropy"] == fused + 1
     assert isinstance(as_tuple, tuple) and rel_max(as_tuple[0], ref.loss) < RTOL
+    assert rel_max(as_tuple[1], ref.logits) < RTOL
     # a custom loss function: stock path (it receives the logits)
     seen = []
 
@@ -170,16 +174,20 @@ def test_logits_when_asked_and_stock_loss_path_conditions(spy):
     model.loss_function = custom
     model(**kwargs).loss.backward()
     assert seen and spy["fused_linear_cross_entropy"] == fused + 1
-    with pytest.raises(ValueError, match=r"deltafuse_logits='yes'; allowed: True .* or False"):
+    with pytest.raises(ValueError, match=r"deltafuse_logits='yes'; allowed: True or False"):
         model(**kwargs, deltafuse_logits="yes")
     blocker = af.fused_loss_blocker
-    assert blocker(model, kwargs, False) == "the model has a custom loss function"
+    assert blocker(model, kwargs) == "the model has a custom loss function"
     del model._loss_function
-    assert blocker(model, kwargs, False) is None
-    assert blocker(model, dict(kwargs, labels=None), False) == "no labels"
-    assert blocker(model, dict(kwargs, logits_to_keep=torch.tensor([1])), False).startswith("logits_to_keep=")
+    assert blocker(model, kwargs) is None
+    assert blocker(model, dict(kwargs, labels=None)) == "no labels"
+    assert blocker(model, dict(kwargs, logits_to_keep=torch.tensor([1]))).startswith("logits_to_keep=")
+    assert blocker(model, kwargs, skip_logits=False).startswith("the caller asked for logits")
+    assert blocker(model, dict(kwargs, return_dict=False)).startswith("return_dict=False")
+    assert blocker(model, dict(kwargs, return_dict=False), skip_logits=True) is None
     with torch.no_grad():
-        assert blocker(model, kwargs, False).startswith("gradients are off")
+        assert blocker(model, kwargs).startswith("gradients are off")
+        assert blocker(model, kwargs, skip_logits=True) is None
 
 
 def test_num_items_in_batch_and_shift_labels_as_stock(spy):

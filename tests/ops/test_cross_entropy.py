@@ -676,3 +676,80 @@ def test_loss_adapter_with_peft_lora_on_the_head(dropout, monkeypatch):
     assert abs(float(ours.loss.detach()) - float(stock.loss.detach())) <= 2e-6 * float(stock.loss.detach())
     for n in stock_grads:
         assert_rel_close(ours_grads[n], stock_grads[n], 2e-5, n)
+
+
+# --- token accuracy ------------------------------------------------------------------------------------
+def _accuracy_reference(hidden, weight, bias, targets, ignore_index=-100):
+    """Fraction of counted targets equal to the argmax of the full float64 logits (first maximum on ties)."""
+    logits = hidden.detach().double().reshape(-1, hidden.shape[-1]) @ weight.detach().double().t()
+    if bias is not None:
+        logits = logits + bias.detach().double()
+    valid = targets != ignore_index
+    return ((logits.argmax(-1) == targets) & valid).sum().item() / valid.sum().item()
+
+
+def _half_predicted(hidden, weight, bias, labels, seed):
+    """labels whose shifted targets are the float64 argmax on about half the rows (so the accuracy is far
+    from 0 and 1), and one ignored label per row."""
+    logits = hidden.detach().double() @ weight.detach().double().t() + bias.detach().double()
+    pred = logits.argmax(-1)
+    gen = torch.Generator().manual_seed(seed)
+    take = torch.rand(labels.shape, generator=gen) < 0.5
+    shifted_pred = torch.nn.functional.pad(pred, (1, 0))[..., :-1]  # label t + 1 is predicted at position t
+    out = torch.where(take.to(labels.device), shifted_pred, labels)
+    out[..., 2] = -100
+    return out
+
+
+@pytest.mark.parametrize("backend,vocab_chunk_size", [("torch", None), ("torch", 8), ("triton", None),
+                                                      ("triton", 8)])
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen_head", "trainable_head"])
+def test_token_accuracy_matches_argmax_of_full_logits(backend, vocab_chunk_size, trainable):
+    """Whole-vocabulary chunks and vocabulary blocks count the same hits as the argmax of the full logits;
+    the loss and gradients are those of the call without accuracy; logits and accuracy come together."""
+    if backend == "triton":
+        _kernel()
+    hidden, weight, bias, labels = _inputs(2, 9, 8, 37, bias=True, seed=31)
+    weight.requires_grad_(trainable)
+    labels = _half_predicted(hidden, weight, bias, labels, 32)
+    fl = _api()
+    loss, acc = fl(hidden, weight, labels, bias=bias, backend=backend, chunk_size=4,
+                   vocab_chunk_size=vocab_chunk_size, return_token_accuracy=True)
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    logits = hidden.detach().double().reshape(-1, 8) @ weight.detach().double().t() + bias.detach().double()
+    want = _accuracy_reference(hidden, weight, bias, targets)
+    assert 0.3 < want < 0.9
+    assert acc.dtype == torch.float32 and not acc.requires_grad and acc.item() == pytest.approx(want, abs=1e-7)
+    plain = fl(hidden, weight, labels, bias=bias, backend=backend, chunk_size=4, vocab_chunk_size=vocab_chunk_size)
+    assert loss.item() == plain.item()
+    got = _grads(loss, (hidden, weight, bias))
+    ref = _grads(plain, (hidden, weight, bias))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    loss2, logits2, acc2 = fl(hidden, weight, labels, bias=bias, backend=backend, return_logits=True,
+                              return_token_accuracy=True)
+    assert acc2.item() == pytest.approx(want, abs=1e-7)
+    assert_rel_close(logits2.reshape(-1, 37), logits.float(), 1e-6, "logits")
+
+
+@pytest.mark.parametrize("vocab_chunk_size", [None, 4], ids=["chunks", "blocks"])
+def test_token_accuracy_ties_go_to_the_first_index_and_all_ignored_is_nan(vocab_chunk_size):
+    """Duplicate head rows give exactly tied logits: the lower index is the prediction (torch.argmax's rule),
+    also when the tie spans two vocabulary blocks."""
+    hidden, weight, _, _ = _inputs(1, 6, 8, 12, seed=33)
+    w = weight.detach().clone()
+    w[9] = w[2]  # rows 2 and 9 tie everywhere (blocks of 4: columns 2 and 9 sit in different blocks)
+    h = w[2] * 4.0 + 0.1 * hidden.detach()  # every row's largest logits: the tied pair {2, 9}
+    logits = h.reshape(-1, 8).double() @ w.double().t()
+    assert (logits[:, 2] == logits[:, 9]).all() and (logits.argmax(-1) == 2).all()
+    fl = _api()
+    first = torch.full((1, 6), 2)
+    second = torch.full((1, 6), 9)
+    _, acc = fl(h, w, first, backend="torch", vocab_chunk_size=vocab_chunk_size, return_token_accuracy=True)
+    assert acc.item() == 1.0
+    _, acc = fl(h, w, second, backend="torch", vocab_chunk_size=vocab_chunk_size, return_token_accuracy=True)
+    assert acc.item() == 0.0
+    _, acc = fl(h, w, torch.full((1, 6), -100), backend="torch", vocab_chunk_size=vocab_chunk_size,
+                return_token_accuracy=True)
+    assert math.isnan(acc.item())
+    with pytest.raises(ValueError, match=r"return_token_accuracy must be True or False, got 1"):
+        fl(h, w, first, return_token_accuracy=1)

@@ -22,6 +22,7 @@ a value a map row installs (``experts_forward``), or a helper of these. The ops 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -31,8 +32,13 @@ from deltafuse import ops
 from deltafuse.integrations.transformers.adapters import PACKING_KWARG
 from deltafuse.ops._checks import host_offsets
 
-# Keyword a caller passes to a patched ``*ForCausalLM.forward`` to get the logits with the loss.
+# Keywords a patched ``*ForCausalLM.forward`` takes (Liger's protocol, and deltafuse's older alias):
+# skip_logits=False (or deltafuse_logits=True) returns the logits with the loss, skip_logits=True skips them,
+# return_token_accuracy=True adds ``token_accuracy`` (ACCURACY_FIELD) to the output.
+SKIP_LOGITS_KWARG = "skip_logits"
 LOGITS_KWARG = "deltafuse_logits"
+ACCURACY_KWARG = "return_token_accuracy"
+ACCURACY_FIELD = "token_accuracy"
 # The name deltafuse's experts function has in transformers' experts interface.
 EXPERTS_NAME = "deltafuse"
 # Stock experts implementations that compute in torch: modules whose config selects one of these are served by
@@ -166,23 +172,65 @@ def _stock_causal_lm_loss():
         return None
 
 
-def fused_loss_blocker(model, kwargs: dict, want_logits: bool) -> str | None:
-    """Why a ``*ForCausalLM`` call must take the stock path (None: the fused loss computes it exactly)."""
+def fused_loss_blocker(model, kwargs: dict, skip_logits: bool | None = None) -> str | None:
+    """Why a ``*ForCausalLM`` call must take the stock path (None: the fused loss computes it exactly).
+
+    ``skip_logits``: the caller's ``skip_logits`` (None: not given; True: skip even without gradients or with
+    ``return_dict=False``; False: logits wanted)."""
     labels = kwargs.get("labels")
     if labels is None:
         return "no labels"
     if not isinstance(labels, torch.Tensor):
         return "labels are not a tensor"
-    if want_logits:
-        return f"the caller asked for logits ({LOGITS_KWARG}=True)"
-    if not torch.is_grad_enabled():
+    if skip_logits is False:
+        return f"the caller asked for logits ({SKIP_LOGITS_KWARG}=False or {LOGITS_KWARG}=True)"
+    if skip_logits is None and not torch.is_grad_enabled():
         return "gradients are off (evaluation: logits are returned)"
+    if skip_logits is None and kwargs.get("return_dict") is False:
+        return f"return_dict=False (the tuple keeps stock's logits; {SKIP_LOGITS_KWARG}=True skips them)"
     keep = kwargs.get("logits_to_keep", 0)
     if isinstance(keep, bool) or not isinstance(keep, int) or keep != 0:
         return f"logits_to_keep={keep!r}"
     if "_loss_function" in vars(model) or model.loss_function is not _stock_causal_lm_loss():
         return "the model has a custom loss function"
     return None
+
+
+def _flag(name: str, value, allow_none: bool):
+    if value is None and allow_none or isinstance(value, bool):
+        return value
+    allowed = "True, False or None (the default)" if allow_none else "True or False"
+    raise ValueError(f"{name}={value!r}; allowed: {allowed}")
+
+
+def _skip_logits(kwargs: dict) -> bool | None:
+    """The caller's ``skip_logits`` (None when not given), with ``deltafuse_logits=True`` as an alias of
+    ``skip_logits=False``; both keywords are removed from kwargs."""
+    skip = _flag(SKIP_LOGITS_KWARG, kwargs.pop(SKIP_LOGITS_KWARG, None), allow_none=True)
+    want = _flag(LOGITS_KWARG, kwargs.pop(LOGITS_KWARG, False), allow_none=False)
+    if want and skip:
+        raise ValueError(f"{LOGITS_KWARG}=True asks for logits and {SKIP_LOGITS_KWARG}=True skips them; "
+                         "pass one of them")
+    return False if want else skip
+
+
+def token_accuracy_from_logits(logits: torch.Tensor, labels: torch.Tensor | None, shift_labels, ignore_index: int):
+    """Fraction of counted targets (not ``ignore_index``) whose logits' argmax is the target, with stock's
+    causal shift unless ``shift_labels`` is given (fp32, no gradient, NaN when every target is ignored)."""
+    with torch.no_grad():
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = shift_labels.to(logits.device)
+        valid = targets != ignore_index
+        hits = ((logits.argmax(-1) == targets) & valid).sum()
+        return hits.to(torch.float32) / valid.sum().to(torch.float32)
+
+
+def _as_tuple(out, keep_logits_slot: bool) -> tuple:
+    """``out.to_tuple()`` (the set fields in declaration order, then ``token_accuracy``), with a None where the
+    logits go when ``keep_logits_slot``: positional readers find every other field where stock puts it."""
+    names = [f.name for f in dataclasses.fields(out)] + [k for k in out.keys() if k == ACCURACY_FIELD]
+    return tuple(out.get(n) for n in names if out.get(n) is not None or (keep_logits_slot and n == "logits"))
 
 
 def wrap_causal_lm_forward(original):
@@ -197,9 +245,19 @@ def wrap_causal_lm_forward(original):
     The output is the stock output class with ``logits=None``. The bypass lives on the head instance for the
     duration of the call: two threads running the same model object at once are not supported.
 
+    Keywords (Liger's protocol), removed before the stock forward runs:
+
+    * ``skip_logits``: None (default) skips the logits exactly when the fused path can serve the call and
+      ``return_dict`` is not False; True also skips them without gradients and with ``return_dict=False``
+      (the tuple then has None in the logits slot); False returns logits as stock (the stock loss path).
+      ``deltafuse_logits=True`` is an alias of ``skip_logits=False``.
+    * ``return_token_accuracy=True`` adds ``token_accuracy`` to the output (last in a tuple): the fraction of
+      counted target tokens whose argmax prediction is the label, computed inside the fused loss (or from
+      the logits on the stock path). Needs labels and ``logits_to_keep=0``.
+
     Logits: whoever needs them gets the stock path, which returns them (with their gradient): every call
-    without gradients (evaluation, generation), every call without labels or with ``logits_to_keep`` != 0,
-    and a call that passes ``deltafuse_logits=True`` (the keyword is removed before the stock forward runs).
+    without gradients (evaluation, generation), without labels, with ``logits_to_keep`` != 0, with
+    ``return_dict=False``, and with ``skip_logits=False`` -- unless ``skip_logits=True`` says otherwise.
     """
     signature = inspect.signature(original)
     positional = [p.name for p in list(signature.parameters.values())[1:]
@@ -207,26 +265,40 @@ def wrap_causal_lm_forward(original):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        want_logits = kwargs.pop(LOGITS_KWARG, False)
-        if not isinstance(want_logits, bool):
-            raise ValueError(f"{LOGITS_KWARG}={want_logits!r}; allowed: True (return logits, stock loss path) "
-                             "or False")
+        skip = _skip_logits(kwargs)
+        accuracy = _flag(ACCURACY_KWARG, kwargs.pop(ACCURACY_KWARG, False), allow_none=False)
         if args:
             if len(args) > len(positional) or any(n in kwargs for n in positional[:len(args)]):
                 return original(self, *args, **kwargs)  # let the stock forward report the bad call
             kwargs = {**dict(zip(positional, args)), **kwargs}
-        if fused_loss_blocker(self, kwargs, want_logits) is not None:
-            return original(self, **kwargs)
-        head = self.get_output_embeddings()
-        weights = None if head is None else head_weight(head)
-        vocab = getattr(self.config, "vocab_size", None)
-        if weights is None or weights[0].shape[0] != vocab:
-            return original(self, **kwargs)
-        weight, bias = weights
-        labels = kwargs.pop("labels")
-        return_dict = kwargs.pop("return_dict", None)
+        has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        if (skip or accuracy) and not has_labels:
+            raise ValueError(f"{SKIP_LOGITS_KWARG if skip else ACCURACY_KWARG}=True needs labels (or shift_labels); "
+                             "got none")
+        keep = kwargs.get("logits_to_keep", 0)
+        if accuracy and (isinstance(keep, bool) or not isinstance(keep, int) or keep != 0):
+            raise ValueError(f"{ACCURACY_KWARG}=True needs the logits of every position; got "
+                             f"logits_to_keep={keep!r} (allowed: 0)")
+        return_dict = kwargs.get("return_dict")
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
+        weights = None
+        if fused_loss_blocker(self, {**kwargs, "return_dict": return_dict}, skip) is None:
+            head = self.get_output_embeddings()
+            weights = None if head is None else head_weight(head)
+            if weights is not None and weights[0].shape[0] != getattr(self.config, "vocab_size", None):
+                weights = None
+        if weights is None:  # the stock path
+            if not accuracy:
+                return original(self, **kwargs)
+            out = original(self, **{**kwargs, "return_dict": True})
+            out[ACCURACY_FIELD] = token_accuracy_from_logits(out.logits, kwargs.get("labels"),
+                                                             kwargs.get("shift_labels"),
+                                                             kwargs.get("ignore_index", -100))
+            return out if return_dict else _as_tuple(out, keep_logits_slot=False)
+        weight, bias = weights
+        labels = kwargs.pop("labels")
+        kwargs.pop("return_dict", None)
         head.forward = _identity  # instance attribute: shadows the class forward for this call only
         try:
             out = original(self, labels=None, return_dict=True, **kwargs)
@@ -237,13 +309,16 @@ def wrap_causal_lm_forward(original):
         loss = ops.fused_linear_cross_entropy(
             hidden, weight, labels if shift_labels is None else shift_labels, bias=bias,
             ignore_index=kwargs.get("ignore_index", -100), num_items_in_batch=kwargs.get("num_items_in_batch"),
-            shift=shift_labels is None)
+            shift=shift_labels is None, return_token_accuracy=accuracy)
+        loss, acc = loss if accuracy else (loss, None)
         aux = getattr(out, "aux_loss", None)
         if aux is not None:
             loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         result = type(out)(loss=loss, **fields)
-        return result if return_dict else result.to_tuple()
+        if accuracy:
+            result[ACCURACY_FIELD] = acc
+        return result if return_dict else _as_tuple(result, keep_logits_slot=True)
 
     return _mark(forward, original, "wrap_causal_lm_forward")
 

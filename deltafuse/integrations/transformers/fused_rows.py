@@ -30,7 +30,8 @@ def fused_routes(rms_norm: str, rms_norm_gated: str, mlp: str, causal_lm: str, a
               note="SiLU activations only; other activations run the stock forward"),
         Route("fused_ops", "class", causal_lm, "forward", f.wrap_causal_lm_forward, wrap=True,
               note="fused loss with labels and gradients on; logits returned by the stock path (no grad, "
-                   f"logits_to_keep != 0, {f.LOGITS_KWARG}=True)"),
+                   f"logits_to_keep != 0, return_dict=False, {f.SKIP_LOGITS_KWARG}=False or {f.LOGITS_KWARG}=True); "
+                   f"{f.ACCURACY_KWARG}=True adds {f.ACCURACY_FIELD}"),
         # transformers' "sdpa" attention function (shared by every model that selects sdpa)
         Route("fused_ops", "mapping", attention, "sdpa", f.wrap_sdpa_attention, wrap=True, mapping=ATTENTION_MAPPING,
               note="causal self-attention on npu tensors through the registry's route (Ascend's fused kernel); "

@@ -6,6 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.backends.conv1d import CONV, CONV_UPDATE
+from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 
 ACTIVATIONS = (None, "silu", "swish")
@@ -63,9 +64,10 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     check.same_device("x", x, weight=weight, bias=bias, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
                       initial_states=initial_states, final_states_out=final_states_out)
     impl = backends.select(CONV, backends.call_info(x, weight, bias, initial_states), backend)
-    return impl(x, weight, bias, activation=act, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
-                initial_states=initial_states, return_final_states=return_final_states,
-                final_states_out=final_states_out)
+    with _amp.disabled(x.device.type):  # autocast never reaches the implementations
+        return impl(x, weight, bias, activation=act, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                    initial_states=initial_states, return_final_states=return_final_states,
+                    final_states_out=final_states_out)
 
 
 @check.public_op(CONV_UPDATE)
@@ -83,4 +85,5 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
                    f"got {check.shape(conv_state)}")
     check.same_device("x", x, conv_state=conv_state, weight=weight, bias=bias)
     impl = backends.select(CONV_UPDATE, backends.call_info(x, weight, bias), backend)
-    return impl(x, conv_state, weight, bias, act)
+    with _amp.disabled(x.device.type):  # autocast never reaches the implementations
+        return impl(x, conv_state, weight, bias, act)

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltafuse.ops._amp import no_autocast_backward
+
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -175,6 +177,7 @@ class _CausalConv1d(torch.autograd.Function):
         return y
 
     @staticmethod
+    @no_autocast_backward
     def backward(ctx, dy):
         # The GDN layer hands back a transposed view; on the H200 the kernel gave wrong gradients for such a
         # dy (the interpreter did not), so read a dense copy until a GPU run shows the strided read is right.

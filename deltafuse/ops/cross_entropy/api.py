@@ -6,6 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.backends.cross_entropy import FUSED_LINEAR_CROSS_ENTROPY
+from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 
 REDUCTIONS = ("mean", "sum")
@@ -44,7 +45,8 @@ def _check_num_items(num_items_in_batch, reduction):
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                                bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                                num_items_in_batch=None, shift: bool = True, chunk_size: int | None = None,
-                               vocab_chunk_size: int | None = None, return_logits: bool = False, **kwargs):
+                               vocab_chunk_size: int | None = None, return_logits: bool = False,
+                               return_token_accuracy: bool = False, **kwargs):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without [tokens, V] logits.
 
     hidden: [..., T, H] (any float dtype); weight: [V, H] of hidden's dtype (an ``lm_head`` weight, or a
@@ -65,8 +67,16 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     of a power of two near tokens * H / V tokens (at least 256, at least 1,024 with a trainable head). A
     ``vocab_chunk_size`` below V asks for blocks, one >= V for whole-vocabulary chunks. With
     ``return_logits=True`` returns ``(loss, logits)``; the logits ([..., T, V], hidden's dtype) are the same
-    projection, carry no gradient, and are computed in whole-vocabulary chunks. ``backend=`` may force
-    'triton' or 'torch'.
+    projection, carry no gradient, and are computed in whole-vocabulary chunks. ``return_token_accuracy=True``
+    appends the token accuracy (``(loss, accuracy)`` or ``(loss, logits, accuracy)``): the fraction of counted
+    tokens whose logits' argmax is their label (ties go to the lowest vocabulary index, as ``torch.argmax``;
+    fp32 scalar, no gradient, NaN when every token is ignored; not scaled by ``num_items_in_batch``).
+    ``backend=`` may force 'triton' or 'torch'.
+
+    Mixed precision: under ``torch.autocast`` on hidden's device, hidden, weight and bias (fp32/fp16/bf16)
+    are first cast to the autocast dtype, as autocast casts an ``nn.Linear`` (fp32 master weights then get
+    fp32 gradients through the cast), and the loss is computed as for inputs of that dtype: logits in it,
+    softmax in fp32, loss fp32.
     """
     backend = kwargs.pop("backend", None)
     if kwargs:
@@ -79,9 +89,12 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     if weight.shape[1] != H or weight.shape[0] == 0:
         check.fail(f"weight must be [V, H] = [V, {H}] with V > 0 for hidden of shape {check.shape(hidden)}, "
                    f"got {check.shape(weight)}")
+    amp = _amp.autocast_dtype(hidden.device.type)
+    hidden, weight, bias = _amp.cast_as_linear(amp, hidden, weight, bias)
     if weight.dtype != hidden.dtype:
-        check.fail(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}; they must match (as for "
-                   f"nn.Linear)")
+        under = f" (after autocast's cast to {amp})" if amp is not None else ""
+        check.fail(f"fused_linear_cross_entropy: weight has dtype {weight.dtype} but hidden has {hidden.dtype}"
+                   f"{under}; they must match (as for nn.Linear)")
     V = weight.shape[0]
     if bias is not None:
         check.tensor("bias", bias, 1)
@@ -106,6 +119,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         check.fail(f"vocab_chunk_size must be None or an int >= 1, got {vocab_chunk_size!r}")
     if not isinstance(return_logits, bool):
         check.fail(f"return_logits must be True or False, got {return_logits!r}")
+    if not isinstance(return_token_accuracy, bool):
+        check.fail(f"return_token_accuracy must be True or False, got {return_token_accuracy!r}")
     check.same_device("hidden", hidden, weight=weight, bias=bias)
 
     labels = labels.to(device=hidden.device)
@@ -117,8 +132,12 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     targets = (_shift(labels, ignore_index) if shift else labels).reshape(-1).to(torch.int64)
     hidden2 = hidden.reshape(-1, H)
     impl = backends.select(FUSED_LINEAR_CROSS_ENTROPY, backends.call_info(hidden, weight, bias), backend)
-    loss, logits = impl(hidden2, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
-                        return_logits, vocab_chunk_size)
+    with _amp.disabled(hidden.device.type):
+        out = impl(hidden2, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
+                   return_logits, vocab_chunk_size, token_accuracy=return_token_accuracy)
+    result = (out[0],)
     if return_logits:
-        return loss, logits.view(*hidden.shape[:-1], V)
-    return loss
+        result += (out[1].view(*hidden.shape[:-1], V),)
+    if return_token_accuracy:
+        result += (out[2],)
+    return result if len(result) > 1 else result[0]

@@ -177,10 +177,10 @@ TRITON_BLOCK_STEPS = BlockSteps(online_block_step_triton, block_grad_step_triton
 
 
 def fused_linear_cross_entropy_triton(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
-                                      chunk_size, return_logits, vocab_chunk_size=None):
+                                      chunk_size, return_logits, vocab_chunk_size=None, token_accuracy=False):
     return _dispatch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
                      return_logits, vocab_chunk_size, chunk_softmax_grad_triton, TRITON_BLOCK_STEPS,
-                     blocks_by_default=True)
+                     blocks_by_default=True, token_accuracy=token_accuracy)
 
 
 __all__ = ["block_grad_step_triton", "chunk_softmax_grad_triton", "fused_linear_cross_entropy_triton",

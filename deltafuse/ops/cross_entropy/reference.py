@@ -38,6 +38,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from deltafuse.ops._amp import no_autocast_backward
+
 # Default chunk: about as many logits as the hidden states hold (chunk * V ~ N * H, rounded up to a power of two),
 # so a chunk's logits cost about what the hidden-state gradient costs. The floor keeps the matmuls efficient
 # (H200, H=2,048, V=248,320, 4,096 tokens, frozen head: 64-token chunks took 41 ms against stock's 23 ms,
@@ -194,19 +196,28 @@ def _outputs(hidden, weight, bias, needs):
     return total, dh, dw, db
 
 
+def _hits(predicted: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """How many counted rows (target != ignore_index) predict their target (int64 scalar)."""
+    return ((predicted == targets) & (targets != ignore_index)).sum()
+
+
 def _chunked_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs, *, chunk_size, logits_out,
-                  chunk_fn):
-    """Token chunks against the whole vocabulary. Returns (summed row losses, dh, dw, db)."""
+                  chunk_fn, count_hits=False):
+    """Token chunks against the whole vocabulary. Returns (summed row losses, dh, dw, db, hits): ``hits``
+    counts the counted rows whose logits' argmax (first maximum) is the target, when ``count_hits``."""
     need_dh, need_dw, need_db = needs
     n = hidden.shape[0]
     ct = _compute_dtype(hidden.dtype)
     total, dh, dw, db = _outputs(hidden, weight, bias, needs)
+    hits = torch.zeros((), dtype=torch.int64, device=hidden.device)
     for s in range(0, n, chunk_size):
         e = min(n, s + chunk_size)
         h = hidden[s:e]
         logits = F.linear(h, weight, bias)
         if logits_out is not None:
             logits_out[s:e].copy_(logits)
+        if count_hits:  # before chunk_fn, which may write over the logits
+            hits += _hits(logits.argmax(dim=1), targets[s:e], ignore_index)
         rows, dlogits = chunk_fn(logits, targets[s:e], ignore_index,
                                  row_scale[s:e] if row_scale is not None else None)
         del logits
@@ -220,18 +231,21 @@ def _chunked_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs,
         if need_db:
             db += dlogits.sum(0, dtype=db.dtype)
         del dlogits
-    return total, dh, dw, db
+    return total, dh, dw, db, hits
 
 
 def _blocked_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs, *, chunk_size, vocab_chunk,
-                  steps: BlockSteps):
-    """Token chunks against vocabulary blocks. Returns (summed row losses, dh, dw, db)."""
+                  steps: BlockSteps, count_hits=False):
+    """Token chunks against vocabulary blocks. Returns (summed row losses, dh, dw, db, hits), as
+    ``_chunked_pass``: the argmax is tracked across blocks (a later block wins only with a larger maximum, so
+    ties go to the first index, as ``torch.argmax``)."""
     need_dh, need_dw, need_db = needs
     n, H = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
     ct = _compute_dtype(hidden.dtype)
     total, dh, dw, db = _outputs(hidden, weight, bias, needs)
+    hits = torch.zeros((), dtype=torch.int64, device=device)
     blocks = [(v0, min(vocab, v0 + vocab_chunk)) for v0 in range(0, vocab, vocab_chunk)]
     # Frozen head and bias: the hidden gradient is accumulated online in the first (only) pass.
     one_pass = not (need_dw or need_db)
@@ -248,13 +262,26 @@ def _blocked_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs,
         xt = torch.zeros((c,), dtype=ct, device=device)
         acc = torch.zeros((c, H), dtype=ct, device=device) if need_dh else None
         online_dh = one_pass and need_dh
+        if count_hits:
+            best = torch.full((c,), float("-inf"), dtype=ct, device=device)
+            best_at = torch.zeros((c,), dtype=torch.int64, device=device)
         for v0, v1 in blocks:
-            probs = steps.online(project(h, v0, v1), t, v0, ignore_index, m, l, xt, acc if online_dh else None)
+            logits = project(h, v0, v1)
+            if count_hits:  # before the step, which may write over the logits
+                value, at = logits.max(dim=1)
+                value = value.to(ct)
+                won = value > best
+                best = torch.where(won, value, best)
+                best_at = torch.where(won, at + v0, best_at)
+            probs = steps.online(logits, t, v0, ignore_index, m, l, xt, acc if online_dh else None)
+            del logits
             if online_dh:
                 _add_mm(acc, probs, weight[v0:v1])
             del probs
         lse = m + torch.log(l)
         valid = t != ignore_index
+        if count_hits:
+            hits += _hits(best_at, t, ignore_index)
         total += torch.where(valid, lse - xt, torch.zeros((), dtype=ct, device=device)).sum()
         if row_scale is None:
             continue
@@ -277,7 +304,7 @@ def _blocked_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs,
             del g
         if need_dh:
             dh[s:e].copy_(acc)
-    return total, dh, dw, db
+    return total, dh, dw, db, hits
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -293,17 +320,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 row_scale = valid.to(ct)
             else:  # where(): an all-ignored batch (denominator 0) gives zero gradients, as the stock loss does
                 row_scale = torch.where(valid, 1.0 / denom.to(ct), torch.zeros((), dtype=ct, device=device))
-        total, dh, dw, db = run_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs)
+        total, dh, dw, db, hits = run_pass(hidden, weight, bias, targets, ignore_index, row_scale, needs)
         loss = total if denom is None else total / denom.to(ct)
         if dw is not None:
             dw = dw.to(weight.dtype)
         if db is not None:
             db = db.to(bias.dtype)
         ctx.save_for_backward(dh, dw, db)
-        return loss
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    @no_autocast_backward
+    def backward(ctx, grad_loss, grad_hits):
         dh, dw, db = ctx.saved_tensors
         # The usual incoming gradient is exactly 1 (loss.backward()): hand the precomputed gradients over
         # as they are instead of allocating scaled copies (one [V, H] copy for a trainable head). This reads
@@ -324,11 +353,18 @@ def _needs(hidden, weight, bias):
             grad and bias is not None and bias.requires_grad)
 
 
+def _token_accuracy(hits, targets, ignore_index):
+    """Counted rows predicting their target / counted rows, fp32 (NaN when every row is ignored)."""
+    return hits.to(torch.float32) / (targets != ignore_index).sum().to(torch.float32)
+
+
 def fused_linear_cross_entropy_chunked(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
-                                       chunk_size, return_logits, chunk_fn: Callable = chunk_softmax_grad_torch):
+                                       chunk_size, return_logits, chunk_fn: Callable = chunk_softmax_grad_torch,
+                                       token_accuracy: bool = False):
     """hidden [N, H], weight [V, H], bias [V] or None, targets [N] int64 (already shifted).
 
-    Returns (loss, logits [N, V] or None). The logits, when asked for, are filled chunk by chunk from the same
+    Returns (loss, logits [N, V] or None), and the token accuracy (fp32 scalar, no gradient) after them with
+    ``token_accuracy=True``. The logits, when asked for, are filled chunk by chunk from the same
     projection the loss uses and carry no gradient.
     """
     needs = _needs(hidden, weight, bias)
@@ -339,22 +375,30 @@ def fused_linear_cross_entropy_chunked(hidden, weight, bias, targets, ignore_ind
     if return_logits:
         logits_out = torch.empty((n, vocab), dtype=torch.promote_types(hidden.dtype, weight.dtype),
                                  device=hidden.device)
-    run_pass = functools.partial(_chunked_pass, chunk_size=chunk_size, logits_out=logits_out, chunk_fn=chunk_fn)
-    loss = _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, reduction,
-                                          num_items_in_batch, run_pass, needs)
+    run_pass = functools.partial(_chunked_pass, chunk_size=chunk_size, logits_out=logits_out, chunk_fn=chunk_fn,
+                                 count_hits=token_accuracy)
+    loss, hits = _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, reduction,
+                                                num_items_in_batch, run_pass, needs)
+    if token_accuracy:
+        return loss, logits_out, _token_accuracy(hits, targets, ignore_index)
     return loss, logits_out
 
 
 def fused_linear_cross_entropy_blocked(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
-                                       chunk_size, vocab_chunk, steps: BlockSteps = TORCH_BLOCK_STEPS):
+                                       chunk_size, vocab_chunk, steps: BlockSteps = TORCH_BLOCK_STEPS,
+                                       token_accuracy: bool = False):
     """Same contract as ``fused_linear_cross_entropy_chunked`` without logits; ``vocab_chunk`` vocabulary
-    columns are projected at a time. Returns the loss."""
+    columns are projected at a time. Returns the loss, or (loss, token accuracy) with ``token_accuracy``."""
     needs = _needs(hidden, weight, bias)
     if chunk_size is None:
         chunk_size = min(max(hidden.shape[0], 1), BLOCKED_CHUNK)
-    run_pass = functools.partial(_blocked_pass, chunk_size=chunk_size, vocab_chunk=vocab_chunk, steps=steps)
-    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, reduction,
-                                          num_items_in_batch, run_pass, needs)
+    run_pass = functools.partial(_blocked_pass, chunk_size=chunk_size, vocab_chunk=vocab_chunk, steps=steps,
+                                 count_hits=token_accuracy)
+    loss, hits = _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, reduction,
+                                                num_items_in_batch, run_pass, needs)
+    if token_accuracy:
+        return loss, _token_accuracy(hits, targets, ignore_index)
+    return loss
 
 
 def blocked_vocab_chunk(vocab: int, vocab_chunk_size: int | None, return_logits: bool, trainable: bool,
@@ -379,20 +423,22 @@ def blocked_vocab_chunk(vocab: int, vocab_chunk_size: int | None, return_logits:
 
 
 def _dispatch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
-              return_logits, vocab_chunk_size, chunk_fn, steps, blocks_by_default):
+              return_logits, vocab_chunk_size, chunk_fn, steps, blocks_by_default, token_accuracy=False):
+    """(loss, logits or None), plus the token accuracy with ``token_accuracy``."""
     needs = _needs(hidden, weight, bias)
     block = blocked_vocab_chunk(weight.shape[0], vocab_chunk_size, return_logits, needs[1] or needs[2],
                                 blocks_by_default)
     if block is None:
         return fused_linear_cross_entropy_chunked(hidden, weight, bias, targets, ignore_index, reduction,
-                                                  num_items_in_batch, chunk_size, return_logits, chunk_fn)
-    loss = fused_linear_cross_entropy_blocked(hidden, weight, bias, targets, ignore_index, reduction,
-                                              num_items_in_batch, chunk_size, block, steps)
-    return loss, None
+                                                  num_items_in_batch, chunk_size, return_logits, chunk_fn,
+                                                  token_accuracy)
+    out = fused_linear_cross_entropy_blocked(hidden, weight, bias, targets, ignore_index, reduction,
+                                             num_items_in_batch, chunk_size, block, steps, token_accuracy)
+    return (out[0], None, out[1]) if token_accuracy else (out, None)
 
 
 def fused_linear_cross_entropy_torch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
-                                     chunk_size, return_logits, vocab_chunk_size=None):
+                                     chunk_size, return_logits, vocab_chunk_size=None, token_accuracy=False):
     return _dispatch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
                      return_logits, vocab_chunk_size, chunk_softmax_grad_torch, TORCH_BLOCK_STEPS,
-                     blocks_by_default=False)
+                     blocks_by_default=False, token_accuracy=token_accuracy)

@@ -6,6 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.backends.gated_delta import CHUNK, RECURRENT
+from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 
 QKV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -76,7 +77,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     scale, backend = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
     call = backends.call_info(q, k, v, g, beta, initial_state)
     impl = backends.select(CHUNK, call, backend)
-    return impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    with _amp.disabled(q.device.type):  # autocast never reaches the implementations
+        return impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
 @check.public_op(RECURRENT)
@@ -90,4 +92,5 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     scale, backend = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
     call = backends.call_info(q, k, v, g, beta, initial_state)
     impl = backends.select(RECURRENT, call, backend)
-    return impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    with _amp.disabled(q.device.type):  # autocast never reaches the implementations
+        return impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)

@@ -6,6 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.backends.moe import MOE_EXPERTS
+from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 
 ACTIVATIONS = ("silu",)
@@ -59,4 +60,5 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
             check.fail(f"top_k_index must hold expert ids in [0, {E}), got values in [{lo}, {hi}]")
     impl = backends.select(MOE_EXPERTS, backends.call_info(hidden, top_k_weights, gate_up_proj, down_proj),
                            backend)
-    return impl(hidden, top_k_index.to(torch.int64), top_k_weights, gate_up_proj, down_proj)
+    with _amp.disabled(hidden.device.type):  # autocast never reaches the implementations
+        return impl(hidden, top_k_index.to(torch.int64), top_k_weights, gate_up_proj, down_proj)

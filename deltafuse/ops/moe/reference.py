@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from deltafuse.backends import probes
+from deltafuse.ops._amp import no_autocast_backward
 
 _GROUPED = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -181,6 +182,7 @@ class _MoeExperts(torch.autograd.Function):
         return out
 
     @staticmethod
+    @no_autocast_backward
     @once_differentiable
     def backward(ctx, dout):
         hidden, top_k_weights, gate_up, down, gu = ctx.saved_tensors

@@ -8,6 +8,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.backends.norm import RMS_NORM, RMS_NORM_GATED
+from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 
 
@@ -41,7 +42,8 @@ def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
     eps = _eps(eps)
     check.same_device("x", x, weight=weight)
     impl = backends.select(RMS_NORM, backends.call_info(x, weight), backend)
-    return impl(x, weight, eps)
+    with _amp.disabled(x.device.type):  # autocast never reaches the implementations
+        return impl(x, weight, eps)
 
 
 @check.public_op(RMS_NORM_GATED)
@@ -62,4 +64,5 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     eps = _eps(eps)
     check.same_device("x", x, gate=gate, weight=weight)
     impl = backends.select(RMS_NORM_GATED, backends.call_info(x, gate, weight), backend)
-    return impl(x, gate, weight, eps)
+    with _amp.disabled(x.device.type):  # autocast never reaches the implementations
+        return impl(x, gate, weight, eps)

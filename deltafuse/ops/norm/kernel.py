@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltafuse.ops._amp import no_autocast_backward
+
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 MAX_D = 65536
 
@@ -175,6 +177,7 @@ class _RMSNormZeroCentered(torch.autograd.Function):
         return y
 
     @staticmethod
+    @no_autocast_backward
     def backward(ctx, dy):
         x2, weight, rstd = ctx.saved_tensors
         dx, _, dw = _backward(dy, x2, None, weight, rstd, ctx.needs_input_grad[1])
@@ -190,6 +193,7 @@ class _RMSNormGated(torch.autograd.Function):
         return y
 
     @staticmethod
+    @no_autocast_backward
     def backward(ctx, dy):
         x2, g2, weight, rstd = ctx.saved_tensors
         dx, dg, dw = _backward(dy, x2, g2, weight, rstd, ctx.needs_input_grad[2])

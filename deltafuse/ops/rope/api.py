@@ -6,6 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.backends.rope import ROPE
+from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 
 UNSQUEEZE = {1: 1, 2: 2, -3: 1, -2: 2}
@@ -53,4 +54,5 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
         check.fail(f"cos/sin last dimension (rotary_dim) must be even and in [2, D={D}], got {rd}")
     check.same_device("q", q, k=k, cos=cos, sin=sin)
     impl = backends.select(ROPE, backends.call_info(q, k, cos, sin), backend)
-    return impl(q, k, cos, sin, ud)
+    with _amp.disabled(q.device.type):  # autocast never reaches the implementations
+        return impl(q, k, cos, sin, ud)

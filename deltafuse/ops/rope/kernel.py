@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltafuse.ops._amp import no_autocast_backward
+
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -138,6 +140,7 @@ class _Rope(torch.autograd.Function):
         return qo, ko
 
     @staticmethod
+    @no_autocast_backward
     def backward(ctx, dqo, dko):
         unsqueeze_dim, q_dtype, k_dtype, cs_grad = ctx.meta
         cos, sin = ctx.saved_tensors[:2]

@@ -6,6 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.backends.swiglu import SWIGLU
+from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 
 
@@ -28,4 +29,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, **kwargs) -> torch.Tensor:
         check.fail(f"up has dtype {up.dtype} but gate has {gate.dtype}; they must match")
     check.same_device("gate", gate, up=up)
     impl = backends.select(SWIGLU, backends.call_info(gate, up), backend)
-    return impl(gate, up)
+    with _amp.disabled(gate.device.type):  # autocast never reaches the implementations
+        return impl(gate, up)

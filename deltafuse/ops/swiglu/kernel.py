@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltafuse.ops._amp import no_autocast_backward
+
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -75,6 +77,7 @@ class _SwiGLU(torch.autograd.Function):
         return y.view(gate.shape)
 
     @staticmethod
+    @no_autocast_backward
     def backward(ctx, dy):
         g2, u2 = ctx.saved_tensors
         n_rows, C = g2.shape

@@ -138,9 +138,10 @@ OP_TABLE = {
     "fused_linear_cross_entropy": (
         lambda: dict(hidden=torch.randn(2, 5, 8), weight=torch.randn(13, 8), labels=torch.randint(0, 13, (2, 5)),
                      bias=torch.randn(13), ignore_index=-100, reduction="mean", num_items_in_batch=7, shift=True,
-                     chunk_size=4, vocab_chunk_size=8, return_logits=True),
+                     chunk_size=4, vocab_chunk_size=8, return_logits=True, return_token_accuracy=True),
         dict(hidden="T", weight="T", labels="T", bias="T?", ignore_index="I", reduction="S",
-             num_items_in_batch="N", shift="B", chunk_size="I?", vocab_chunk_size="I?", return_logits="B")),
+             num_items_in_batch="N", shift="B", chunk_size="I?", vocab_chunk_size="I?", return_logits="B",
+             return_token_accuracy="B")),
     "moe_experts": (
         lambda: dict(hidden=torch.randn(5, 8), top_k_index=torch.randint(0, 4, (5, 2)),
                      top_k_weights=torch.rand(5, 2), gate_up_proj=torch.randn(4, 8, 8),

@@ -109,7 +109,7 @@ def _short(module: types.ModuleType) -> str:
 def _new_design_choice(fn: Callable) -> tuple[str, Callable]:
     """(stock's choice, transformers' pure-torch function) for a decorated module function."""
     torch_fn = inspect.unwrap(fn)
-    if fn is torch_fn:
+    if fn is torch_fn or getattr(fn, "__deltafuse_stock_torch__", False):  # (already) the torch function
         return TORCH, torch_fn
     # the decorator's wrapper keeps the implementation it picked at import in its closure
     layer = fn
@@ -203,7 +203,9 @@ def stock_places(model) -> list[Place]:
         norm = getattr(layer, "norm", None)
         norm_cls = _torch_norm_class(module)
         if isinstance(norm, torch.nn.Module) and norm_cls is not None and not isinstance(norm, norm_cls):
-            places.append(Place(f"{path}.norm.forward", NORM, norm, "forward", _package(norm),
+            own = vars(norm).get("forward")
+            choice = TORCH if getattr(own, "__deltafuse_stock_torch__", False) else _package(norm)
+            places.append(Place(f"{path}.norm.forward", NORM, norm, "forward", choice,
                                 _torch_norm_forward(norm_cls, norm)))
     return places
 

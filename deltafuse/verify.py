@@ -27,6 +27,17 @@ error). verify records the experts stock chose for every token and, in 16-bit ru
 run's tokens the same way (scores recomputed from its own router logits with the router's formula), and
 reports how many tokens that touched. In fp32 any token routed differently is a failure.
 
+The stock side is stock transformers as installed, unless its own fast path cannot run here: transformers
+calls FLA / causal-conv1d whenever they import (FLA on a CPU-only box fails with "0 active drivers"), and
+FLA 0.6 refuses the GDN backward on Hopper with Triton >= 3.4, < 3.7.1. Then the stock side runs
+transformers' own pure-torch GDN functions (``deltafuse.integrations.transformers.stock``), and the result
+says so (``baseline``, ``baseline_swapped``, ``baseline_reason``; a ``baseline:`` line in the text report).
+
+Exit codes: 0 every tensor within tolerance, 1 out of tolerance (and nothing else), 2 verify cannot run as
+asked: one line on stderr naming the argument or variable, its value and what is allowed, reported before a
+model is built (every ``DELTAFUSE_*`` variable, a forced backend that cannot serve the device, --rtol, --seed,
+a local --model's config.json and family), 3 verify itself failed (its traceback is shown).
+
 atol is 1e-6 (fp32) or 1e-3 (16-bit) times the largest |b| over all gradients. The stock and the deltafuse
 GDN compute the same maths in different orders (chunked WY forms, flattened packing), so fp32 agreement is
 to rounding, not bitwise.

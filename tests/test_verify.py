@@ -189,7 +189,7 @@ def test_moe_verify_with_gradient_checkpointing_recomputes_the_same_routing():
 
 # --- the stock baseline when stock's own fast path cannot run (FLA / causal-conv1d on a CPU box) ---------
 NO_DRIVER = "0 active drivers ([]). There should only be one."
-STANDIN_FLA = f'''"""Stand-in for flash-linear-attention on a machine without a GPU driver: it imports, its kernels fail."""
+STANDIN_FLA = f'''"""Stand-in for flash-linear-attention on a machine without a GPU driver: imports, kernels fail."""
 __version__ = "0.6.0"
 
 
@@ -365,7 +365,7 @@ def test_stock_torch_baseline_equals_stock_without_fla(name, monkeypatch):
     # stock with no FLA / causal-conv1d installed (what this machine has): the reference
     ref = clean(input_ids=ids, labels=ids, use_cache=False)
     ref.loss.backward()
-    module, design = _make_stock_pick_standins(model, monkeypatch)
+    _, design = _make_stock_pick_standins(model, monkeypatch)
     if design == "old":  # the layers' norms are now FLA stand-ins holding the same weights
         clean_params = dict(clean.named_parameters())
         assert set(clean_params) == {n for n, _ in model.named_parameters()}

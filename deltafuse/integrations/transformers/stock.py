@@ -55,7 +55,7 @@ CHUNK, RECURRENT, CONV, CONV_UPDATE, NORM = ("chunk_gated_delta_rule", "fused_re
 # new design: module function -> op
 NEW_GLOBALS = {"torch_chunk_gated_delta_rule": CHUNK, "torch_recurrent_gated_delta_rule": RECURRENT,
                "causal_conv1d_fn": CONV, "causal_conv1d_update": CONV_UPDATE}
-# old design: module global -> (op, pure-torch value stock uses when the package is missing)
+# old design: module global -> op (stock sets it to None when the package is missing or there is no CUDA)
 OLD_GLOBALS = {"chunk_gated_delta_rule": CHUNK, "fused_recurrent_gated_delta_rule": RECURRENT,
                "causal_conv1d_fn": CONV, "causal_conv1d_update": CONV_UPDATE, "FusedRMSNormGated": NORM}
 # old design: GDN instance attribute -> (op, name of the module's pure-torch function, None = attribute None)

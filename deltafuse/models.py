@@ -101,9 +101,21 @@ def is_local_model(path: str) -> bool:
     return os.path.isdir(path)
 
 
-def load_local_model(path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     trust_remote_code: bool = False):
-    """A causal LM from a local Hugging Face directory (config + safetensors); nothing is downloaded."""
+class LocalModelError(ValueError):
+    """A local model directory that cannot be used (unreadable config.json, no weights ...)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def check_local_model(path: str, *, trust_remote_code: bool = False):
+    """The config of a local Hugging Face model directory, read without loading any weight.
+
+    Raises FileNotFoundError (no directory, no config.json, no *.safetensors) or LocalModelError (a
+    config.json that transformers cannot read), each naming the directory and what is wrong.
+    """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -112,6 +124,20 @@ def load_local_model(path: str, *, dtype: torch.dtype = torch.float32, device: s
     if not weights:
         raise FileNotFoundError(f"model directory {path!r} has no *.safetensors weights (only safetensors "
                                 "are loaded)")
+    import transformers
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # a broken or foreign config.json: say which file and why, in one line
+        raise LocalModelError(f"{os.path.join(path, 'config.json')} cannot be read by transformers "
+                              f"{transformers.__version__}: {_first_line(exc)}") from None
+
+
+def load_local_model(path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     trust_remote_code: bool = False):
+    """A causal LM from a local Hugging Face directory (config + safetensors); nothing is downloaded."""
+    check_local_model(path, trust_remote_code=trust_remote_code)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True,
@@ -119,10 +145,18 @@ def load_local_model(path: str, *, dtype: torch.dtype = torch.float32, device: s
     return model.to(device)
 
 
-def model_family(model) -> str | None:
-    """'qwen3_5', 'qwen3_5_moe' or 'qwen3_next' for a supported model object, else None."""
-    module = type(model).__module__
+def config_family(config) -> str | None:
+    """'qwen3_5', 'qwen3_5_moe' or 'qwen3_next' for the config of a supported model, else None."""
+    return _family_of_module(type(config).__module__)
+
+
+def _family_of_module(module: str) -> str | None:
     for family in ("qwen3_5_moe", "qwen3_5", "qwen3_next"):
         if f".{family}." in module or module.endswith(f".{family}"):
             return family
     return None
+
+
+def model_family(model) -> str | None:
+    """'qwen3_5', 'qwen3_5_moe' or 'qwen3_next' for a supported model object, else None."""
+    return _family_of_module(type(model).__module__)

@@ -27,6 +27,17 @@ error). verify records the experts stock chose for every token and, in 16-bit ru
 run's tokens the same way (scores recomputed from its own router logits with the router's formula), and
 reports how many tokens that touched. In fp32 any token routed differently is a failure.
 
+The stock side is stock transformers as installed, unless its own fast path cannot run here: transformers
+calls FLA / causal-conv1d whenever they import (FLA on a CPU-only box fails with "0 active drivers"), and
+FLA 0.6 refuses the GDN backward on Hopper with Triton >= 3.4, < 3.7.1. Then the stock side runs
+transformers' own pure-torch GDN functions (``deltafuse.integrations.transformers.stock``), and the result
+says so (``baseline``, ``baseline_swapped``, ``baseline_reason``; a ``baseline:`` line in the text report).
+
+Exit codes: 0 every tensor within tolerance, 1 out of tolerance (and nothing else), 2 verify cannot run as
+asked: one line on stderr naming the argument or variable, its value and what is allowed, reported before a
+model is built (every ``DELTAFUSE_*`` variable, a forced backend that cannot serve the device, --rtol, --seed,
+a local --model's config.json and family), 3 verify itself failed (its traceback is shown).
+
 atol is 1e-6 (fp32) or 1e-3 (16-bit) times the largest |b| over all gradients. The stock and the deltafuse
 GDN compute the same maths in different orders (chunked WY forms, flattened packing), so fp32 agreement is
 to rounding, not bitwise.
@@ -35,9 +46,11 @@ to rounding, not bitwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -54,6 +67,7 @@ ATOL_SCALE = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 # crosses a 64-token chunk boundary are included).
 PACKED_ROWS = ((23, 1, 66, 6), (40, 56))
 UNPACKED_SHAPE = (2, 70)
+SEED_LIMIT = 2**63 - 1  # the batch generator is seeded with seed + 1
 
 
 class VerifyError(ValueError):
@@ -89,6 +103,11 @@ class VerifyResult:
     # routed as stock routed them for the comparison (16-bit runs)
     routing: dict = field(default_factory=dict)
     routing_pinned: bool = False
+    # what the stock side ran: "stock" (transformers as installed) or "stock-torch" (transformers' own
+    # pure-torch GDN functions, because stock's own fast path cannot run here: baseline_reason says why)
+    baseline: str = "stock"
+    baseline_swapped: list = field(default_factory=list)
+    baseline_reason: str = ""
 
     @property
     def rerouted(self) -> int:
@@ -109,12 +128,20 @@ class VerifyResult:
         out["comparisons"] = [c.to_dict() for c in self.comparisons]
         return out
 
+    def baseline_line(self) -> str:
+        if self.baseline == "stock":
+            return "baseline: stock transformers as installed"
+        places = ", ".join(dict.fromkeys(re.sub(r"layers\.\d+\.", "layers.*.", s.split(":")[0])
+                                         for s in self.baseline_swapped))
+        return (f"baseline: stock transformers with its own pure-torch GDN functions at {places} (stock's own "
+                f"choice cannot run here: {self.baseline_reason})")
+
     def format(self, limit: int | None = None) -> str:
         head = (f"deltafuse verify: {self.model} ({self.family}), {'packed' if self.packed else 'unpacked'} batch "
                 f"{self.batch}, {self.device} {self.dtype}, transformers {self.transformers}\n"
                 f"tolerance: rel <= {self.rtol:g} (or max_abs <= {self.atol:.3g}); rel = max|a-b| / max|stock|")
         width = max([len(c.name) for c in self.comparisons] + [4])
-        lines = [head, f"{'tensor':<{width}}  {'max_abs':>10}  {'rel':>10}  ok"]
+        lines = [head, self.baseline_line(), f"{'tensor':<{width}}  {'max_abs':>10}  {'rel':>10}  ok"]
         shown = self.comparisons if limit is None else self.comparisons[:limit]
         for c in shown:
             lines.append(f"{c.name:<{width}}  {c.max_abs:10.3e}  {c.rel:10.3e}  {'yes' if c.ok else 'NO'}")
@@ -233,21 +260,124 @@ def _compare(name: str, got: torch.Tensor | None, ref: torch.Tensor | None, rtol
     return Comparison(name, max_abs, rel, rel <= rtol or max_abs <= atol, tuple(b.shape))
 
 
-def _build(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int):
+def check_model_arg(name_or_path: str, trust_remote_code: bool = False) -> str:
+    """The family of ``--model`` (a known name or a local directory), found without building or loading
+    the model; VerifyError / FileNotFoundError name the argument, the value and what is allowed."""
     from deltafuse import models
 
     if os.path.isdir(name_or_path):
+        try:
+            config = models.check_local_model(name_or_path, trust_remote_code=trust_remote_code)
+        except models.LocalModelError as exc:
+            raise VerifyError(f"--model {name_or_path!r}: {exc}") from None
+        family = models.config_family(config)
+        if family is None:
+            raise VerifyError(f"--model {name_or_path!r} is a {type(config).__name__} model (model_type "
+                              f"{getattr(config, 'model_type', None)!r}); allowed: Qwen3.5, Qwen3.5-MoE and "
+                              "Qwen3-Next causal LMs (model_type qwen3_5*, qwen3_5_moe*, qwen3_next)")
+        return family
+    if name_or_path in models.NAMED_MODELS:
+        return models.NAMED_MODELS[name_or_path].family
+    known = ", ".join(models.NAMED_MODELS)
+    raise VerifyError(f"--model {name_or_path!r} is neither a known name ({known}) nor a local directory")
+
+
+def _build(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int):
+    from deltafuse import models
+
+    check_model_arg(name_or_path)
+    if os.path.isdir(name_or_path):
         model = models.load_local_model(name_or_path, dtype=dtype, device=device)
-    elif name_or_path in models.NAMED_MODELS:
-        model = models.build_model(name_or_path, dtype=dtype, device=device, seed=seed)
     else:
-        known = ", ".join(models.NAMED_MODELS)
-        raise VerifyError(f"--model {name_or_path!r} is neither a known name ({known}) nor a local directory")
+        model = models.build_model(name_or_path, dtype=dtype, device=device, seed=seed)
     family = models.model_family(model)
     if family is None:
         raise VerifyError(f"--model {name_or_path!r} is a {type(model).__name__}, not a Qwen3.5 / Qwen3.5-MoE / "
                           "Qwen3-Next causal LM")
     return model, family
+
+
+def forced_backend_problems(backend: str, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    """op -> why the forced ``backend`` cannot serve verify's training calls on ``device`` / ``dtype``.
+
+    An op whose forced candidate serves only inference (a decoding kernel) is not counted unless it is known
+    to be wrong with a backward: a training step does not call it.
+    """
+    from deltafuse.backends import REGISTRY
+    from deltafuse.backends.registry import CallInfo
+
+    if backend == "auto":
+        return {}
+    problems = {}
+    train, infer = CallInfo(device, dtype, True), CallInfo(device, dtype, False)
+    for op in sorted(REGISTRY.ops):
+        cand = next((c for c in REGISTRY.candidates(op) if c.name == backend), None)
+        if cand is None:
+            continue
+        mine = next(d for d in REGISTRY.explain(op, train, backend) if d.candidate == backend)
+        if mine.chosen:
+            continue
+        decode = next(d for d in REGISTRY.explain(op, infer, backend) if d.candidate == backend)
+        if decode.chosen and not cand.known_bad(train):
+            continue
+        # rejected in both modes: the inference verdict is the device-level reason
+        problems[op] = (mine.reason if decode.chosen else decode.reason) or "it cannot serve this call"
+    return problems
+
+
+def _servable_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    from deltafuse.config import BACKENDS
+
+    return [b for b in BACKENDS if not forced_backend_problems(b, device, dtype)]
+
+
+def preflight(name_or_path: str | None, device: torch.device, dtype: torch.dtype, rtol: float | None,
+              seed: int) -> str | None:
+    """Every check that needs no model: the environment (all DELTAFUSE_* switches), the forced backend
+    against the device, the tolerance, the seed, the device, and ``--model`` (its config only). Returns the
+    model's family (None when ``name_or_path`` is None). Raises VerifyError / SettingsError /
+    FileNotFoundError."""
+    from deltafuse.backends import current_backend
+    from deltafuse.config import load_settings
+    from deltafuse.integrations.transformers import PATCHER
+
+    settings = load_settings()  # SettingsError names the variable, the value and what is allowed
+    if not settings.patch:
+        raise VerifyError("DELTAFUSE_PATCH is off in the environment, so deltafuse cannot be applied; unset it "
+                          "(or set it to 1) to verify")
+    if rtol is not None:
+        check_rtol("rtol", rtol)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise VerifyError(f"seed={seed!r} is not allowed; allowed: an integer 0 <= seed < 2**63 - 1")
+    if device.type not in ("cpu", "cuda"):
+        raise VerifyError(f"device={str(device)!r} is not supported; allowed: cpu, cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise VerifyError("device='cuda' was asked for but torch sees no CUDA device; allowed here: cpu")
+    if PATCHER.has_records():
+        raise VerifyError("deltafuse is already applied in this process, so no stock run is possible; call "
+                          "deltafuse.revert() first")
+    backend = current_backend()
+    problems = forced_backend_problems(backend, device, dtype)
+    if problems:
+        reasons = "; ".join(dict.fromkeys(problems.values()))
+        what = str(dtype).replace("torch.", "")
+        ok = [b for b in _servable_backends(device, dtype) if b != backend]
+        on_cuda = device.type != "cuda" and not forced_backend_problems(backend, torch.device("cuda"), dtype)
+        raise VerifyError(f"DELTAFUSE_BACKEND={backend!r} cannot serve {', '.join(problems)} on {device} {what} "
+                          f"with a backward: {reasons}; allowed for {device.type} {what}: {', '.join(ok)}"
+                          + (f" (or --device cuda with {backend})" if on_cuda else ""))
+    return None if name_or_path is None else check_model_arg(name_or_path)
+
+
+def check_rtol(name: str, value) -> float:
+    """A tolerance: a finite number > 0."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise VerifyError(f"{name}={value!r} is not a number; allowed: a finite number > 0") from None
+    if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
+        raise VerifyError(f"{name}={value!r} is not allowed; allowed: a finite number > 0 (e.g. 1e-4)")
+    return number
 
 
 def _param_grads(model) -> dict[str, torch.Tensor | None]:
@@ -302,7 +432,6 @@ def verify_model(name_or_path: str, packed: bool = False, device: str | torch.de
                  model=None) -> VerifyResult:
     """Stock vs deltafuse on one model (named, local directory, or a ready ``model``); see the module doc."""
     from deltafuse import patching
-    from deltafuse.integrations.transformers import PATCHER
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -310,14 +439,11 @@ def verify_model(name_or_path: str, packed: bool = False, device: str | torch.de
         dtype = DTYPES[dtype]
     if dtype not in ATOL_SCALE:
         raise VerifyError(f"dtype={dtype} is not supported; allowed: float32, bfloat16, float16")
-    device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        raise VerifyError(f"device={str(device)!r} is not supported; allowed: cpu, cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise VerifyError("device='cuda' was asked for but torch sees no CUDA device")
-    if PATCHER.has_records():
-        raise VerifyError("deltafuse is already applied in this process, so no stock run is possible; call "
-                          "deltafuse.revert() first")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise VerifyError(f"device={device!r} is not a device ({exc}); allowed: cpu, cuda") from None
+    preflight(None if model is not None else name_or_path, device, dtype, rtol, seed)
     if model is None:
         model, family = _build(name_or_path, device, dtype, seed)
     else:
@@ -338,13 +464,8 @@ def verify_model(name_or_path: str, packed: bool = False, device: str | torch.de
         routing.close()
 
 
-def _verify(model, name_or_path, family, packed, device, dtype, rtol, generator, vocab, routing) -> VerifyResult:
-    from deltafuse import patching
-
-    import transformers
-
-    settings_report = None
-    routing.start("record")
+def _stock_run(model, packed, device, generator, vocab):
+    """The reference: (loss, logits, parameter gradients, batch description, the deltafuse run's call)."""
     if packed:
         rows, input_ids, position_ids, labels = _packed_batch(vocab, device, generator)
         model.zero_grad(set_to_none=True)
@@ -362,10 +483,26 @@ def _verify(model, name_or_path, family, packed, device, dtype, rtol, generator,
         ref_loss, ref_logits = out.loss.detach(), out.logits.detach()
         ref_grads = _param_grads(model)
         batch = {"B": B, "T": T}
+    return ref_loss, ref_logits, ref_grads, batch, call
 
+
+def _verify(model, name_or_path, family, packed, device, dtype, rtol, generator, vocab, routing) -> VerifyResult:
+    import transformers
+
+    from deltafuse import patching
+    from deltafuse.integrations.transformers import stock
+
+    settings_report = None
+    # stock's own fast path (FLA, causal-conv1d) may not run here (CPU tensors, FLA's Hopper refusal): then
+    # the reference is stock transformers with its own pure-torch GDN functions
+    problems = stock.stock_fast_path_problems(model, device, dtype, needs_grad=True)
+    baseline = stock.stock_torch_baseline(model) if problems else contextlib.nullcontext([])
+    with baseline as swapped:
+        routing.start("record")
+        ref_loss, ref_logits, ref_grads, batch, call = _stock_run(model, packed, device, generator, vocab)
     model.zero_grad(set_to_none=True)
     with patching.patched(model, gdn=True) as settings_report:
-        if not settings_report.enabled:
+        if not settings_report.enabled:  # preflight refuses this; the environment changed since
             raise VerifyError("DELTAFUSE_PATCH is off in the environment, so deltafuse cannot be applied; "
                               "unset it (or set it to 1) to verify")
         routing.start("compare")
@@ -387,7 +524,9 @@ def _verify(model, name_or_path, family, packed, device, dtype, rtol, generator,
                           dtype=str(dtype).replace("torch.", ""), rtol=rtol, atol=atol,
                           transformers=transformers.__version__, batch=batch,
                           patch_rows=len(settings_report.applied) if settings_report else 0,
-                          routing={n: list(c) for n, c in routing.counts.items()}, routing_pinned=routing.pin)
+                          routing={n: list(c) for n, c in routing.counts.items()}, routing_pinned=routing.pin,
+                          baseline="stock-torch" if swapped else "stock", baseline_swapped=list(swapped),
+                          baseline_reason="; ".join(dict.fromkeys(problems.values())) if swapped else "")
     result.comparisons.append(_compare("loss", loss, ref_loss, rtol, 0.0))
     result.comparisons.append(_compare("logits", logits, ref_logits, rtol, 0.0))
     for name, ref in ref_grads.items():
@@ -404,37 +543,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default: cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default: float32")
-    parser.add_argument("--seed", type=int, default=0, help="weights and batch seed (default: 0)")
-    parser.add_argument("--rtol", type=float, default=None,
-                        help="relative tolerance (default: 1e-4 fp32 CPU, 2e-3 fp32 CUDA, 5e-2 bf16, 1e-2 fp16)")
+    parser.add_argument("--seed", type=_seed, default=0, help="weights and batch seed (default: 0)")
+    parser.add_argument("--rtol", type=_tolerance, default=None,
+                        help="relative tolerance, a finite number > 0 (default: 1e-4 fp32 CPU, 2e-3 fp32 CUDA, "
+                             "5e-2 bf16, 1e-2 fp16)")
+
+
+def _tolerance(text: str) -> float:
+    try:
+        return check_rtol("--rtol", text)
+    except VerifyError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("--rtol=", "")) from None
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: 0 <= seed < 2**63 - 1") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: 0 <= seed < 2**63 - 1")
+    return value
+
+
+# exit codes: 0 every tensor within tolerance, 1 out of tolerance, 2 verify cannot run as asked (one line on
+# stderr), 3 verify itself failed (a bug: the traceback is shown)
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CRASH = 0, 1, 2, 3
 
 
 def run(args) -> int:
-    """0 when every tensor is within tolerance, 1 when one is not, 2 when verify cannot run."""
+    """0 when every tensor is within tolerance, 1 when one is not, 2 when verify cannot run as asked, 3 when
+    verify itself failed (with the traceback)."""
+    from deltafuse.backends import BackendError
+    from deltafuse.config import SettingsError
+    from deltafuse.models import UnknownModelError
+
     try:
         result = verify_model(args.model, packed=args.packed, device=args.device, dtype=args.dtype,
                               seed=args.seed, rtol=args.rtol)
-    except (VerifyError, FileNotFoundError) as exc:
+    except (VerifyError, SettingsError, FileNotFoundError, UnknownModelError, BackendError) as exc:
+        # BackendError: a forced backend (or this device) cannot serve an op; the message names the op,
+        # the device and every candidate's reason
         print(f"deltafuse verify: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        from deltafuse.models import UnknownModelError
+        return EXIT_USAGE
+    except Exception:
+        import traceback
 
-        if isinstance(exc, UnknownModelError):
-            print(f"deltafuse verify: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+        traceback.print_exc()
+        print("deltafuse verify: internal error (the traceback is above); exit code 3, not a verdict",
+              file=sys.stderr)
+        return EXIT_CRASH
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result.format())
-    return 0 if result.ok else 1
+    return EXIT_PASS if result.ok else EXIT_FAIL
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="deltafuse verify", description=__doc__.splitlines()[0])
+    from deltafuse.cli import OneLineParser, check_environment
+
+    parser = OneLineParser(prog="deltafuse verify", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return check_environment("deltafuse verify") or run(args)
 
 
 if __name__ == "__main__":

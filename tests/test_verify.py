@@ -13,8 +13,6 @@ from deltafuse.cli import main
 from deltafuse.integrations.transformers import PATCHER, adapters
 from deltafuse.models import build_model
 
-
-
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
 
@@ -35,11 +33,14 @@ def test_cli_json_and_table(capsys):
     assert main(["verify", "--model", "tiny", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is True and data["family"] == "qwen3_5" and data["packed"] is False
+    # no FLA / causal-conv1d here: stock runs as installed (pure torch)
+    assert (data["baseline"], data["baseline_swapped"], data["baseline_reason"]) == ("stock", [], "")
     assert {c["name"] for c in data["comparisons"]} >= {"loss", "logits", "grad lm_head.weight"}
     assert all({"max_abs", "rel", "ok"} <= set(c) for c in data["comparisons"])
     assert main(["verify", "--model", "tiny-next", "--packed"]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "grad model.layers.0.linear_attn.A_log" in out and "max_abs" in out
+    assert "\nbaseline: stock transformers as installed\n" in out
 
 
 def test_run_uses_add_arguments():
@@ -184,3 +185,253 @@ def test_moe_verify_with_gradient_checkpointing_recomputes_the_same_routing():
     assert result.ok, result.format()
     n_tokens = sum(sum(r) for r in verify.PACKED_ROWS)
     assert all(t == n_tokens for _, t in result.routing.values())  # the recomputation is not counted twice
+
+
+# --- the stock baseline when stock's own fast path cannot run (FLA / causal-conv1d on a CPU box) ---------
+NO_DRIVER = "0 active drivers ([]). There should only be one."
+STANDIN_FLA = f'''"""Stand-in for flash-linear-attention on a machine without a GPU driver: imports, kernels fail."""
+__version__ = "0.6.0"
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    raise RuntimeError({NO_DRIVER!r})
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    raise RuntimeError({NO_DRIVER!r})
+'''
+STANDIN_CONV = f'''"""Stand-in for causal-conv1d on a machine without a GPU driver."""
+
+
+def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                     final_states_out=None, activation=None):
+    raise RuntimeError({NO_DRIVER!r})
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                         conv_state_indices=None):
+    raise RuntimeError({NO_DRIVER!r})
+'''
+
+
+def write_standins(root) -> str:
+    """``fla`` and ``causal_conv1d`` packages with the names transformers imports from them (the package
+    roots and ``fla.ops.gated_delta_rule``), whose kernels raise as FLA does on a CPU-only machine."""
+    pkg = root / "fla"
+    (pkg / "ops" / "gated_delta_rule").mkdir(parents=True)
+    (pkg / "modules").mkdir()
+    (pkg / "__init__.py").write_text(STANDIN_FLA)
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "gated_delta_rule" / "__init__.py").write_text(
+        "from fla import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule\n")
+    (pkg / "modules" / "__init__.py").write_text("")
+    (root / "causal_conv1d").mkdir()
+    (root / "causal_conv1d" / "__init__.py").write_text(STANDIN_CONV)
+    return str(root)
+
+
+def _new_design(family: str) -> bool:
+    import importlib
+
+    return not hasattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"),
+                       "is_fast_path_available")
+
+
+def _verify_with_standins(tmp_path, *argv):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DELTAFUSE_", "TWINKLE_NPU_"))}
+    env["PYTHONPATH"] = os.pathsep.join([root, write_standins(tmp_path)] + ([env["PYTHONPATH"]]
+                                                                            if env.get("PYTHONPATH") else []))
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "deltafuse", "verify", *argv], env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_verify_passes_with_fla_installed_on_a_cpu_box(tmp_path):
+    """Stock picks the stand-in FLA / causal-conv1d (as it picks the real ones when they import); its
+    kernels cannot run on CPU, so the reference is stock with its own pure-torch functions, and says so."""
+    proc = _verify_with_standins(tmp_path, "--model", "tiny", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["ok"] is True and len(data["comparisons"]) > 2
+    if _new_design("qwen3_5"):
+        assert data["baseline"] == "stock-torch"
+        assert set(data["baseline_swapped"]) == {
+            "modeling_qwen3_5.torch_chunk_gated_delta_rule: fla -> torch",
+            "modeling_qwen3_5.torch_recurrent_gated_delta_rule: fla -> torch",
+            "modeling_qwen3_5.causal_conv1d_fn: causal_conv1d -> torch",
+            "modeling_qwen3_5.causal_conv1d_update: causal_conv1d -> torch"}
+        assert "FLA's kernels need a CUDA device; the tensors are on cpu" in data["baseline_reason"]
+    else:  # 5.2-5.14 pick FLA only when CUDA is available: stock runs as it is
+        assert data["baseline"] == "stock" and data["baseline_swapped"] == []
+
+
+def test_verify_packed_moe_passes_with_fla_installed_on_a_cpu_box(tmp_path):
+    proc = _verify_with_standins(tmp_path, "--model", "tiny-moe", "--packed")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith("PASS")
+    assert "Traceback" not in proc.stderr
+    if _new_design("qwen3_5_moe"):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("baseline:"))
+        assert "own pure-torch GDN functions" in line and "modeling_qwen3_5_moe.torch_chunk_gated_delta_rule" in line
+        assert "the tensors are on cpu" in line
+
+
+def _standin_modules():
+    """The stand-ins as module objects (for sys.modules) and the raising functions."""
+    import types
+
+    fla, conv = types.ModuleType("fla"), types.ModuleType("causal_conv1d")
+    exec(STANDIN_FLA, fla.__dict__)
+    exec(STANDIN_CONV, conv.__dict__)
+    ops, gdr = types.ModuleType("fla.ops"), types.ModuleType("fla.ops.gated_delta_rule")
+    gdr.chunk_gated_delta_rule = fla.chunk_gated_delta_rule
+    gdr.fused_recurrent_gated_delta_rule = fla.fused_recurrent_gated_delta_rule
+    fla.ops, ops.gated_delta_rule = ops, gdr
+    return {"fla": fla, "fla.ops": ops, "fla.ops.gated_delta_rule": gdr, "causal_conv1d": conv}
+
+
+class StandInFusedRMSNormGated(torch.nn.Module):
+    """What transformers 5.2-5.14 build as ``self.norm`` when FLA is available (FLA's FusedRMSNormGated)."""
+
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+        self.eps = eps
+        self.activation = "swish"
+
+    def forward(self, x, gate=None):
+        raise RuntimeError(NO_DRIVER)
+
+
+StandInFusedRMSNormGated.__module__ = "fla.modules.fused_norm_gate"
+
+
+def _make_stock_pick_standins(model, monkeypatch):
+    """Put the stand-ins where stock transformers puts FLA / causal-conv1d when they import: in the new
+    design through transformers' own decorator, in the old design in the module globals and in what each
+    GDN layer cached (including its norm)."""
+    import inspect
+    import sys
+
+    mods = _standin_modules()
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    module = sys.modules[type(layers[0]).__module__]
+    if not hasattr(module, "is_fast_path_available"):
+        from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback as decorate
+
+        for attr, (func, package) in {"torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule", "fla"),
+                                      "torch_recurrent_gated_delta_rule": ("fused_recurrent_gated_delta_rule", "fla"),
+                                      "causal_conv1d_fn": ("causal_conv1d_fn", "causal_conv1d"),
+                                      "causal_conv1d_update": ("causal_conv1d_update", "causal_conv1d")}.items():
+            monkeypatch.setattr(module, attr, decorate(func, package)(inspect.unwrap(getattr(module, attr))))
+        return module, "new"
+    fla, conv = mods["fla"], mods["causal_conv1d"]
+    for attr, value in {"chunk_gated_delta_rule": fla.chunk_gated_delta_rule,
+                        "fused_recurrent_gated_delta_rule": fla.fused_recurrent_gated_delta_rule,
+                        "causal_conv1d_fn": conv.causal_conv1d_fn, "causal_conv1d_update": conv.causal_conv1d_update,
+                        "FusedRMSNormGated": StandInFusedRMSNormGated}.items():
+        monkeypatch.setattr(module, attr, value)
+    for layer in layers:
+        layer.chunk_gated_delta_rule = fla.chunk_gated_delta_rule
+        layer.recurrent_gated_delta_rule = fla.fused_recurrent_gated_delta_rule
+        layer.causal_conv1d_fn = conv.causal_conv1d_fn
+        layer.causal_conv1d_update = conv.causal_conv1d_update
+        layer.norm = StandInFusedRMSNormGated(layer.norm.weight, layer.norm.variance_epsilon)
+    return module, "old"
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-next"])
+def test_stock_torch_baseline_equals_stock_without_fla(name, monkeypatch):
+    """Within the context, a model whose stock choice is (stand-in) FLA computes exactly what stock computes
+    with no FLA installed: same loss, logits and every gradient, bit for bit; on exit every object is back."""
+    from deltafuse.integrations.transformers import stock
+
+    model, clean = build_model(name, seed=3), build_model(name, seed=3)
+    for p in model.parameters():  # fresh random weights, also where init is constant (norms, biases)
+        p.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(p.numel()))
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), clean.parameters()):
+            q.copy_(p)
+    ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(7))
+    # stock with no FLA / causal-conv1d installed (what this machine has): the reference
+    ref = clean(input_ids=ids, labels=ids, use_cache=False)
+    ref.loss.backward()
+    _, design = _make_stock_pick_standins(model, monkeypatch)
+    if design == "old":  # the layers' norms are now FLA stand-ins holding the same weights
+        clean_params = dict(clean.named_parameters())
+        assert set(clean_params) == {n for n, _ in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="0 active drivers"):
+        model(input_ids=ids)  # stock really calls the stand-in
+    choices = stock.stock_choices(model)
+    assert "fla" in choices.values() and "causal_conv1d" in choices.values()
+    problems = stock.stock_fast_path_problems(model, "cpu")
+    assert problems and all("the tensors are on cpu" in why for why in problems.values())
+    before = {(id(p.owner), p.attr): p.owner.__dict__.get(p.attr) for p in stock.stock_places(model)}
+
+    with stock.stock_torch_baseline(model) as swapped:
+        assert len(swapped) == sum(c != "torch" for c in choices.values())
+        assert stock.stock_fast_path_problems(model, "cpu") == {}  # now stock's choice is torch everywhere
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+    assert torch.equal(out.loss, ref.loss) and torch.equal(out.logits, ref.logits)
+    clean_grads = dict(clean.named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, clean_grads[n].grad), n
+
+    after = {(id(p.owner), p.attr): p.owner.__dict__.get(p.attr) for p in stock.stock_places(model)}
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    with pytest.raises(RuntimeError, match="0 active drivers"):
+        model(input_ids=ids)  # stock's own choice is back
+
+
+def test_stock_choices_without_fla_are_torch():
+    from deltafuse.integrations.transformers import stock
+
+    model = build_model("tiny-moe")
+    places = stock.stock_places(model)
+    assert places and {p.op for p in places} >= {"chunk_gated_delta_rule", "causal_conv1d_fn"}
+    assert set(stock.stock_choices(model).values()) == {"torch"}
+    assert stock.stock_fast_path_problems(model, "cpu") == {}
+    with stock.stock_torch_baseline(model) as swapped:
+        assert swapped == []
+
+
+def test_fla_hopper_refusal_is_a_stock_problem(monkeypatch):
+    """On Hopper with Triton >= 3.4, < 3.7.1 FLA refuses the backward: a training baseline must not use it,
+    inference may (the check is the FLA candidate's own)."""
+    from deltafuse.backends import probes
+    from deltafuse.integrations.transformers import stock
+
+    monkeypatch.setattr(probes, "is_hopper", lambda device: device.type == "cuda")
+    monkeypatch.setattr(probes, "triton_version", lambda: (3, 5, 0))
+    monkeypatch.setattr(probes, "cuda_name", lambda index: "NVIDIA H200")
+    place = stock.Place("m.torch_chunk_gated_delta_rule", "chunk_gated_delta_rule", None, "x", "fla", None)
+    cuda = torch.device("cuda", 0)
+    why = stock._place_problem(place, cuda, torch.bfloat16, needs_grad=True)
+    assert why is not None and "Hopper" in why and "3.5.0" in why
+    assert stock._place_problem(place, cuda, torch.bfloat16, needs_grad=False) is None
+    monkeypatch.setattr(probes, "triton_version", lambda: (3, 7, 1))
+    assert stock._place_problem(place, cuda, torch.bfloat16, needs_grad=True) is None
+    conv = stock.Place("m.causal_conv1d_fn", "causal_conv1d_fn", None, "x", "causal_conv1d", None)
+    assert stock._place_problem(conv, cuda, torch.bfloat16, True) is None
+    assert "causal-conv1d's kernels need a CUDA device" in stock._place_problem(conv, torch.device("cpu"),
+                                                                                 torch.float32, True)
+
+
+def test_baseline_refuses_while_deltafuse_is_applied():
+    from deltafuse.integrations.transformers import stock
+
+    model = build_model("tiny")
+    patching.apply(model)
+    with pytest.raises(RuntimeError, match="deltafuse is applied"):
+        with stock.stock_torch_baseline(model):
+            pass

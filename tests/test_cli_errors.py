@@ -1,0 +1,196 @@
+"""User errors of the `deltafuse` command: one line on stderr, exit 2, before any model is built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltafuse import models, verify
+from deltafuse.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("clean_deltafuse")
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Building or loading a model fails the test: user errors must be reported before that."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was built or loaded before the user error was reported")
+
+    monkeypatch.setattr(models, "build_model", forbidden)
+    monkeypatch.setattr(models, "load_local_model", forbidden)
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err}"
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse errors
+        return exc.code
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "-inf", "abc"])
+def test_bad_rtol_is_refused_at_parse_time(value, capsys, nothing_built):
+    assert _exit_code(["verify", "--model", "tiny", f"--rtol={value}"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("deltafuse verify: error: argument --rtol:")
+    assert repr(value) in line and "finite number > 0" in line
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), 0.0, True])
+def test_bad_rtol_is_refused_by_the_api(value, nothing_built):
+    with pytest.raises(verify.VerifyError, match="rtol=.*finite number > 0"):
+        verify.verify_model("tiny", rtol=value)
+
+
+@pytest.mark.parametrize("value", ["-3", "1.5", str(2**63)])
+def test_bad_seed(value, capsys, nothing_built):
+    assert _exit_code(["verify", "--seed", value]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "argument --seed" in line and "0 <= seed < 2**63 - 1" in line
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["verfy"], ["invalid choice: 'verfy'", "'verify'"]),
+    ([], ["required", "{info,verify,train,bench}"]),
+    (["info", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (["bench"], ["deltafuse bench: error:", "{e2e,ops}"]),
+    (["bench", "e3e"], ["invalid choice: 'e3e'", "'e2e'"]),
+    (["verify", "--device", "tpu"], ["argument --device", "'tpu'", "'cuda'"]),
+])
+def test_bad_command_lines(argv, words, capsys):
+    assert _exit_code(argv) == 2
+    line = _one_line(capsys.readouterr().err)
+    for word in words:
+        assert word in line
+
+
+@pytest.mark.parametrize("argv", [["verify", "--model", "tiny"], ["info"], ["bench", "ops"]])
+@pytest.mark.parametrize("name, value, allowed", [
+    ("DELTAFUSE_GDN", "maybe", "1/true/yes/on/0/false/no/off"),
+    ("DELTAFUSE_PATCH", "2", "1/true/yes/on/0/false/no/off"),
+    ("DELTAFUSE_BACKEND", "cuda", "auto, triton, fla, torch"),
+    ("DELTAFUSE_VALIDATE", "sometimes", "1/true/yes/on/0/false/no/off"),
+    ("TWINKLE_NPU_FLA", "maybe", "1/true/yes/on/0/false/no/off"),
+])
+def test_bad_environment_is_reported_before_anything_runs(argv, name, value, allowed, monkeypatch, capsys,
+                                                          nothing_built):
+    import deltafuse.bench.ops as bench_ops
+
+    monkeypatch.setattr(bench_ops, "run_ops", lambda args: pytest.fail("bench ran with a bad environment"))
+    with monkeypatch.context() as env:  # undone before clean_deltafuse's check at teardown
+        env.setenv(name, value)
+        assert _exit_code(argv) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"{name}={value!r}" in line and allowed in line
+    assert line.startswith(f"deltafuse {argv[0]}: error:")
+
+
+def test_unknown_deltafuse_variable_is_a_warning(monkeypatch, capsys):
+    monkeypatch.setenv("DELTAFUSE_GDM", "0")
+    assert main(["info", "--json"]) == 0
+    line = _one_line(capsys.readouterr().err)
+    assert "warning: DELTAFUSE_GDM is not a deltafuse variable" in line and "DELTAFUSE_GDN" in line
+
+
+def test_patch_off_is_refused_before_the_model_is_built(monkeypatch, capsys, nothing_built):
+    monkeypatch.setenv("DELTAFUSE_PATCH", "off")
+    assert main(["verify", "--model", "tiny"]) == 2
+    assert "DELTAFUSE_PATCH is off" in _one_line(capsys.readouterr().err)
+
+
+def test_forced_triton_on_cpu_names_the_variable_and_what_works(monkeypatch, capsys, nothing_built):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the Triton interpreter would serve CPU tensors
+    with monkeypatch.context() as env:  # undone before clean_deltafuse's check at teardown
+        env.setenv("DELTAFUSE_BACKEND", "triton")
+        assert main(["verify", "--model", "tiny"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "DELTAFUSE_BACKEND='triton'" in line and "cpu float32" in line and "chunk_gated_delta_rule" in line
+    assert "not cpu" in line and "allowed for cpu float32: auto, torch" in line
+
+
+def test_forced_triton_under_the_interpreter_serves_fp32_only(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu = torch.device("cpu")
+    assert verify.forced_backend_problems("triton", cpu, torch.float32) == {}
+    problems = verify.forced_backend_problems("triton", cpu, torch.bfloat16)
+    assert "chunk_gated_delta_rule" in problems
+    assert all("fp32 only" in why for why in problems.values())
+    # a decoding-only kernel (no backward) does not make a forced backend unusable for training
+    assert "fused_recurrent_gated_delta_rule" not in verify.forced_backend_problems("triton", cpu, torch.float32)
+    assert verify.forced_backend_problems("torch", cpu, torch.bfloat16) == {}
+
+
+def test_broken_config_json(tmp_path, capsys, nothing_built):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_text", ')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert main(["verify", "--model", str(tmp_path)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert repr(str(tmp_path)) in line and "config.json cannot be read by transformers" in line
+
+
+def test_unsupported_family_is_refused_from_its_config(tmp_path, capsys, nothing_built):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=64).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the config decides
+    assert main(["verify", "--model", str(tmp_path)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "LlamaConfig" in line and "'llama'" in line and "Qwen3.5, Qwen3.5-MoE and Qwen3-Next" in line
+
+
+def test_directory_without_weights(tmp_path, capsys, nothing_built):
+    models.build_config("tiny").save_pretrained(tmp_path)
+    assert main(["verify", "--model", str(tmp_path)]) == 2
+    assert "has no *.safetensors weights" in _one_line(capsys.readouterr().err)
+
+
+def test_a_crash_of_verify_is_not_a_verdict(monkeypatch, capsys):
+    """Exit 1 means only 'out of tolerance': a failure inside verify is exit 3 with its traceback."""
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated failure inside the reference run")
+
+    monkeypatch.setattr(verify, "_stock_run", boom)
+    assert main(["verify", "--model", "tiny"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "simulated failure" in err and "internal error" in err
+
+
+def test_module_entry_point_uses_the_same_rules(capsys, nothing_built):
+    with pytest.raises(SystemExit) as exc:
+        verify.main(["--rtol", "nan"])
+    assert exc.value.code == 2
+    assert "deltafuse verify: error: argument --rtol:" in _one_line(capsys.readouterr().err)
+
+
+def test_errors_from_a_real_process_are_one_line():
+    """The same through `python -m deltafuse` in a fresh process (nothing from the test process leaks in)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DELTAFUSE_", "TWINKLE_NPU_"))}
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cases = [
+        (["verify", "--rtol", "nan"], {}, "argument --rtol"),
+        (["verify"], {"DELTAFUSE_GDN": "maybe"}, "DELTAFUSE_GDN='maybe'"),
+        (["verify"], {"DELTAFUSE_BACKEND": "triton"}, "DELTAFUSE_BACKEND='triton'"),
+        (["bogus"], {}, "invalid choice: 'bogus'"),
+    ]
+    for argv, extra, words in cases:
+        proc = subprocess.run([sys.executable, "-m", "deltafuse", *argv], env={**env, **extra}, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 2, (argv, extra, proc.stderr)
+        assert words in _one_line(proc.stderr)
+        assert proc.stdout == ""

@@ -20,24 +20,21 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def check_environment(prog: str = "deltafuse") -> int:
-    """Parse every ``DELTAFUSE_*`` variable now (``deltafuse.config.load_settings`` plus DELTAFUSE_VALIDATE);
-    0 when they are all valid, else 2 after one line on stderr naming the variable, the value and what is
-    allowed. A ``DELTAFUSE_*`` name deltafuse does not know is warned about (one line): it has no effect."""
-    from deltafuse.config import BACKENDS, SWITCHES, SettingsError, load_settings, parse_bool
+    """Parse every ``DELTAFUSE_*`` variable now (``deltafuse.config.load_settings``); 0 when they are all valid,
+    else 2 after one line on stderr naming the variable, the value and what is allowed. A ``DELTAFUSE_*`` name
+    deltafuse does not know is warned about (one line): it has no effect."""
+    from deltafuse.config import SWITCHES, SettingsError, load_settings
 
     try:
         load_settings()
-        raw = os.environ.get("DELTAFUSE_VALIDATE")
-        if raw is not None and raw.strip() != "":
-            parse_bool("DELTAFUSE_VALIDATE", raw)
     except SettingsError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    known = [sw.name for sw in SWITCHES] + ["DELTAFUSE_BACKEND", "DELTAFUSE_VALIDATE"]
+    known = [sw.name for sw in SWITCHES] + ["DELTAFUSE_BACKEND"]
     for name in sorted(os.environ):
         if name.startswith("DELTAFUSE_") and name not in known:
             print(f"{prog}: warning: {name} is not a deltafuse variable and has no effect; known: "
-                  f"{', '.join(known)} (DELTAFUSE_BACKEND: {', '.join(BACKENDS)})", file=sys.stderr)
+                  f"{', '.join(known)}", file=sys.stderr)
     return 0
 
 

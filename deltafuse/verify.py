@@ -326,9 +326,9 @@ def forced_backend_problems(backend: str, device: torch.device, dtype: torch.dty
 
 
 def _servable_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
-    from deltafuse.config import BACKENDS
+    from deltafuse.config import forceable_backends
 
-    return [b for b in BACKENDS if not forced_backend_problems(b, device, dtype)]
+    return [b for b in forceable_backends() if not forced_backend_problems(b, device, dtype)]
 
 
 def preflight(name_or_path: str | None, device: torch.device, dtype: torch.dtype, rtol: float | None,

@@ -7,7 +7,8 @@ Loss path (hidden 2,048, vocab 248,320, bf16, random data) at 4,096 and 16,384 t
   trl     TRL's fused LM head (``ChunkedLogProbFunction``, when ``trl`` imports): the fields its SFTTrainer
           asks for (log_probs, entropy, is_top1) and log_probs alone
   ours    deltafuse.ops.cross_entropy with backend 'triton' and 'torch', by default (vocabulary blocks) and
-          with whole-vocabulary token chunks, plus the block sizes given by --blocks
+          with whole-vocabulary token chunks, plus the block sizes given by --blocks; and
+          deltafuse-tokenlogprobs-sft: ops.token_logprobs with the SFT fields and TRL's loss (lines up with trl-sft)
 Experts at Qwen3.5-35B-A3B sizes (256 experts, top-8, I = 512, H = 2,048), 4,096 tokens, bf16:
   stock   transformers' Qwen3_5MoeExperts with experts_implementation 'grouped_mm'
   ours    the same module served by deltafuse.ops.moe through the experts interface
@@ -138,6 +139,22 @@ def _measure(fn, grad_to_none, rep):
     return ms, peak
 
 
+def token_logprobs_loss(outputs, ignore_index: int = -100):
+    """fn(hidden [..., T, H], weight [V, H], labels [..., T]) -> mean loss computed as TRL's fused head computes it
+    (``deltafuse.bench.cases.trl_chunked_logprob_loss``), with ``deltafuse.ops.token_logprobs`` (default
+    backend) in place of TRL's ``ChunkedLogProbFunction``."""
+    from deltafuse.ops import token_logprobs
+
+    def apply(hidden, weight, labels):
+        h = hidden[..., :-1, :].reshape(-1, hidden.shape[-1])
+        y = labels[..., 1:].reshape(-1)
+        mask = y != ignore_index
+        log_probs = token_logprobs(h[mask], weight, y[mask], outputs=outputs).log_probs
+        return -log_probs.sum() / mask.sum().clamp(min=1)
+
+    return apply
+
+
 def _loss_cases(args):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -191,6 +208,10 @@ def _loss_cases(args):
                 except Exception as exc:  # noqa: BLE001
                     rows.append({"bench": "loss", "tokens": n, "head": head, "impl": name,
                                  "error": f"not run: {type(exc).__name__}: {exc}"})
+            # deltafuse's per-token op (what serves TRL's fused head once deltafuse is applied), same loss as trl-sft
+            tok_loss = token_logprobs_loss(TRL_SFT_OUTPUTS)
+            impls.insert(3, ("deltafuse-tokenlogprobs-sft", lambda f=tok_loss: f(hidden, weight, labels).backward(),
+                             lambda f=tok_loss: f(hidden, weight, labels)))
             with torch.no_grad():
                 ref = float(ForCausalLMLoss(F.linear(hidden, weight), labels, V))
             for name, fn, cfg in impls:

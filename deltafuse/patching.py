@@ -111,7 +111,7 @@ def find_model(obj) -> torch.nn.Module:
                 continue
             if child is not None and child is not current and not isinstance(child, (str, bytes, int, float, bool)):
                 queue.append((f"{path}.{name}", child, depth + 1))
-    families = ", ".join(f"{m.family} ({m.module})" for m in PATCHER.maps)
+    families = ", ".join(f"{m.family} ({m.module})" for m in PATCHER.maps if m.models)
     shown = walked if len(walked) <= 12 else walked[:12] + [f"... {len(walked) - 12} more"]
     limit = (f" The search stopped at its limit ({_MAX_DEPTH} levels, {_MAX_VISITED} objects): each object "
              f"walked had another one behind it (a mock answers every attribute).") if cut or len(seen) >= _MAX_VISITED else ""

@@ -101,7 +101,8 @@ def test_conv_update_bad_state():
 
 # --- every argument of every public op, given a value of the wrong kind ------------------------------------
 # kinds: T tensor, T? tensor or None, B bool, I int, I? int or None, F float, F? float or None, S str,
-# S? str or None, N a number, a one-element tensor or None (checked by the op itself: a ValueError)
+# S? str or None, N a number, a one-element tensor or None, O a tuple of output names (N and O are checked by the
+# op itself: a ValueError)
 def _gdn_args():
     q, k, v, g, beta = gdn_inputs()
     return dict(q=q, k=k, v=v, g=g, beta=beta, scale=0.3, initial_state=torch.randn(2, 4, 8, 8),
@@ -142,6 +143,12 @@ OP_TABLE = {
         dict(hidden="T", weight="T", labels="T", bias="T?", ignore_index="I", reduction="S",
              num_items_in_batch="N", shift="B", chunk_size="I?", vocab_chunk_size="I?", return_logits="B",
              return_token_accuracy="B")),
+    "token_logprobs": (
+        lambda: dict(hidden=torch.randn(2, 5, 8), weight=torch.randn(13, 8), targets=torch.randint(0, 13, (2, 5)),
+                     bias=torch.randn(13), temperature=0.7, outputs=("log_probs", "entropy", "is_top1"),
+                     ignore_index=-100, chunk_size=4, vocab_chunk_size=8),
+        dict(hidden="T", weight="T", targets="T", bias="T?", temperature="F", outputs="O", ignore_index="I",
+             chunk_size="I?", vocab_chunk_size="I?")),
     "moe_experts": (
         lambda: dict(hidden=torch.randn(5, 8), top_k_index=torch.randint(0, 4, (5, 2)),
                      top_k_weights=torch.rand(5, 2), gate_up_proj=torch.randn(4, 8, 8),
@@ -160,6 +167,7 @@ WRONG = {
     "S": [3, torch.tensor(1), ["silu"], None],
     "S?": [3, torch.tensor(1), ["silu"]],
     "N": ["3", [3]],
+    "O": ["entropy", ("log_probs", 3), ("mean_logits",), 3],
 }
 WRONG_CASES = [(op, arg, value) for op, (_, kinds) in OP_TABLE.items() for arg, kind in kinds.items()
                for value in WRONG[kind]]
@@ -197,13 +205,13 @@ def test_wrong_kind_of_argument_names_op_argument_and_value(op, arg, value, posi
             args.append(kwargs.pop(p.name))
             if p.name == arg:
                 break
-    expected = ValueError if kinds[arg] == "N" else TypeError
+    expected = ValueError if kinds[arg] in ("N", "O") else TypeError
     with pytest.raises(expected) as err:
         fn(*args, **kwargs)
     msg = str(err.value)
     assert isinstance(err.value, ValueError)  # every argument error of the ops is also a ValueError
     assert msg.startswith(f"{op}: {arg} must be "), msg
-    assert type(value).__name__ in msg or kinds[arg] == "N", msg
+    assert type(value).__name__ in msg or kinds[arg] in ("N", "O"), msg
     if not isinstance(value, (torch.Tensor, np.ndarray)):
         assert repr(value) in msg, msg
     else:

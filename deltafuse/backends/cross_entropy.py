@@ -1,4 +1,4 @@
-"""Candidates for the fused linear cross-entropy op, in order of preference."""
+"""Candidates for the fused linear cross-entropy and per-token log-probability ops, in order of preference."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from deltafuse.backends.common import (load_attr, torch_supports, triton_availab
 from deltafuse.backends.registry import Candidate, Registry
 
 FUSED_LINEAR_CROSS_ENTROPY = "fused_linear_cross_entropy"
+TOKEN_LOGPROBS = "token_logprobs"
 KERNEL = "deltafuse.ops.cross_entropy.kernel"
 
 
@@ -21,3 +22,11 @@ def register(registry: Registry) -> None:
         supports=torch_supports,
         note="head projection in token chunks x vocabulary blocks + fp32 online softmax in torch, gradients "
              "computed block by block in the forward (any device)"))
+    registry.register(TOKEN_LOGPROBS, Candidate(
+        "triton", load_attr(KERNEL, "token_logprobs_triton"), triton_available(KERNEL), triton_supports,
+        auto_skip=triton_auto_skip,
+        note="head projection (cuBLAS) in token chunks x vocabulary blocks folded into online statistics by "
+             "deltafuse's Triton kernels; frozen head: hidden gradient accumulated in the forward"))
+    registry.register(TOKEN_LOGPROBS, Candidate(
+        "torch", load_attr("deltafuse.ops.cross_entropy.tokens", "token_logprobs_torch"), supports=torch_supports,
+        note="head projection in whole-vocabulary token chunks + fp32 online statistics in torch (any device)"))

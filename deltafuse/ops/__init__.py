@@ -1,7 +1,7 @@
 """Public ops: pure functions on tensors. The registry picks the implementation for each call."""
 
 from deltafuse.ops.conv1d.api import causal_conv1d_fn, causal_conv1d_update
-from deltafuse.ops.cross_entropy.api import fused_linear_cross_entropy
+from deltafuse.ops.cross_entropy.api import fused_linear_cross_entropy, token_logprobs
 from deltafuse.ops.gated_delta.api import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from deltafuse.ops.moe.api import moe_experts
 from deltafuse.ops.norm.api import rms_norm_gated, rms_norm_zero_centered
@@ -19,4 +19,5 @@ __all__ = [
     "rms_norm_gated",
     "rms_norm_zero_centered",
     "swiglu",
+    "token_logprobs",
 ]

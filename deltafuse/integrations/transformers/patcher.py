@@ -21,6 +21,7 @@ applying a row a second time is recognised and changes nothing.
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 import types
 import weakref
@@ -76,6 +77,10 @@ class FamilyMap:
     routes: tuple[Route, ...]
     design_marker: str = "is_fast_path_available"
     doc: str = ""
+    # False for a library's map (TRL): it defines no model classes, so ``owns`` and model search ignore it
+    models: bool = True
+    # a top-level package that must already be imported for the map to apply (``apply`` does not import it)
+    when_imported: str = ""
 
 
 @dataclass
@@ -201,6 +206,10 @@ class Patcher:
         """Family -> imported modeling module, or the reason it is unavailable (a str)."""
         found = {}
         for fmap in self.maps:
+            if fmap.when_imported and fmap.when_imported not in sys.modules:
+                found[fmap.family] = (f"not imported ({fmap.when_imported} is routed only when imported before "
+                                      f"deltafuse.apply)")
+                continue
             try:
                 found[fmap.family] = importlib.import_module(fmap.module)
             except Exception as exc:  # an absent family is a report line, not a crash
@@ -212,7 +221,7 @@ class Patcher:
         return "old" if hasattr(module, fmap.design_marker) else "new"
 
     def family_module_names(self) -> set[str]:
-        return {fmap.module for fmap in self.maps}
+        return {fmap.module for fmap in self.maps if fmap.models}
 
     def owns(self, cls: type) -> bool:
         """True when ``cls`` (or a base class) is defined in one of the mapped modeling modules."""
@@ -235,8 +244,8 @@ class Patcher:
                 if isinstance(module, str):
                     families[fmap.family] = module
                     continue
-                design = self.design(fmap, module)
-                families[fmap.family] = f"{design} design ({fmap.module})"
+                design = self.design(fmap, module) if fmap.models else "any"
+                families[fmap.family] = f"{design} design ({fmap.module})" if fmap.models else fmap.module
                 start = len(rows)
                 for route in fmap.routes:
                     if route.design not in ("any", design) or not switches.get(route.switch, False):

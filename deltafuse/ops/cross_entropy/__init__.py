@@ -1,3 +1,3 @@
-from deltafuse.ops.cross_entropy.api import fused_linear_cross_entropy
+from deltafuse.ops.cross_entropy.api import TokenLogProbs, fused_linear_cross_entropy, token_logprobs
 
-__all__ = ["fused_linear_cross_entropy"]
+__all__ = ["TokenLogProbs", "fused_linear_cross_entropy", "token_logprobs"]

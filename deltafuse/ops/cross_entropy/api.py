@@ -1,13 +1,18 @@
-"""Public fused linear cross-entropy (lm_head + shift + loss in chunks); the registry picks the implementation."""
+"""Public fused linear cross-entropy (lm_head + shift + loss in chunks) and per-token log-probabilities; the
+registry picks the implementation."""
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 
 from deltafuse import backends
-from deltafuse.backends.cross_entropy import FUSED_LINEAR_CROSS_ENTROPY
+from deltafuse.backends.cross_entropy import FUSED_LINEAR_CROSS_ENTROPY, TOKEN_LOGPROBS
 from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
+from deltafuse.ops.cross_entropy.tokens import OUTPUTS as TOKEN_OUTPUTS
 
 REDUCTIONS = ("mean", "sum")
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -141,3 +146,96 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     if return_token_accuracy:
         result += (out[2],)
     return result if len(result) > 1 else result[0]
+
+
+class TokenLogProbs(NamedTuple):
+    """Per-token outputs of ``token_logprobs``; a field not asked for is None."""
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    is_top1: torch.Tensor | None
+
+
+def _check_outputs(outputs) -> tuple[bool, bool]:
+    names = outputs if isinstance(outputs, (tuple, list)) else None
+    if names is None or not all(isinstance(n, str) for n in names) or any(n not in TOKEN_OUTPUTS for n in names):
+        check.fail(f"outputs must be a tuple of names among {', '.join(map(repr, TOKEN_OUTPUTS))}, got "
+                   f"{check.short_repr(outputs)}")
+    return "entropy" in names, "is_top1" in names
+
+
+@check.public_op(TOKEN_LOGPROBS)
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                   bias: torch.Tensor | None = None, temperature: float = 1.0, outputs=("log_probs",),
+                   ignore_index: int = -100, chunk_size: int | None = None, vocab_chunk_size: int | None = None,
+                   **kwargs) -> TokenLogProbs:
+    """Per-token log-probabilities of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``,
+    without [tokens, V] logits (TRL's ``ChunkedLogProbFunction`` semantics, without softcapping / logit scale).
+
+    hidden: [..., H] (any float dtype); weight: [V, H] of hidden's dtype (trainable or frozen); bias: [V] or
+    None; targets: integer, hidden.shape[:-1], already aligned (no shift), in [0, V) or ``ignore_index``.
+    ``outputs`` names what to compute among 'log_probs' (always computed), 'entropy' and 'is_top1'. Returns a
+    ``TokenLogProbs(log_probs, entropy, is_top1)`` of targets' shape, None for a field not named:
+
+    * log_probs: fp32 (fp64 for fp64 inputs), differentiable w.r.t. hidden, weight and bias for any per-token
+      upstream gradient;
+    * entropy: of the temperature-scaled distribution, same dtype, differentiable as well (TRL's GRPO entropy
+      bonus backpropagates through it);
+    * is_top1: bool, no gradient: the target is the first index of the largest scaled logit (as
+      ``torch.argmax``; a tie with an earlier index is not top-1).
+
+    Rows whose target is ``ignore_index`` give 0, 0 and False and no gradient. ``temperature`` > 0 divides the
+    logits. Memory: ``chunk_size`` tokens are projected ``vocab_chunk_size`` columns at a time (defaults:
+    Triton 1,024 x 8,192; torch whole-vocabulary chunks). With a frozen head the hidden gradient is computed in
+    the forward ([N, H] fp32 kept for the backward) and the backward is a row scaling; with a trainable head or
+    bias, or a gradient reaching the entropy, the backward projects the blocks again. ``backend=`` may force
+    'triton' or 'torch'. Autocast: as ``fused_linear_cross_entropy`` (inputs cast as for a linear layer, then
+    computed in that dtype with fp32 statistics), which is also how TRL's function projects under autocast.
+    """
+    backend = kwargs.pop("backend", None)
+    if kwargs:
+        check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
+    check.tensor("hidden", hidden)
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        check.fail(f"hidden must be [..., H] with H > 0, got shape {check.shape(hidden)}")
+    H = hidden.shape[-1]
+    check.tensor("weight", weight, 2)
+    if weight.shape[1] != H or weight.shape[0] == 0:
+        check.fail(f"weight must be [V, H] = [V, {H}] with V > 0 for hidden of shape {check.shape(hidden)}, "
+                   f"got {check.shape(weight)}")
+    amp = _amp.autocast_dtype(hidden.device.type)
+    hidden, weight, bias = _amp.cast_as_linear(amp, hidden, weight, bias)
+    if weight.dtype != hidden.dtype:
+        under = f" (after autocast's cast to {amp})" if amp is not None else ""
+        check.fail(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}{under}; they must match "
+                   f"(as for nn.Linear)")
+    V = weight.shape[0]
+    if bias is not None:
+        check.tensor("bias", bias, 1)
+        if bias.shape[0] != V or bias.dtype != hidden.dtype:
+            check.fail(f"bias must be [V] = ({V},) of dtype {hidden.dtype}, got {check.shape(bias)} {bias.dtype}")
+    check.tensor("targets", targets, dtypes=_INT_DTYPES)
+    if targets.shape != hidden.shape[:-1]:
+        check.fail(f"targets must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
+                   f"got {check.shape(targets)}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        check.fail(f"temperature must be a finite number > 0, got {temperature!r}")
+    want_entropy, want_top1 = _check_outputs(outputs)
+    if not _is_int(ignore_index):
+        check.fail(f"ignore_index must be an int, got {ignore_index!r}")
+    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
+        check.fail(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    if vocab_chunk_size is not None and (not _is_int(vocab_chunk_size) or vocab_chunk_size < 1):
+        check.fail(f"vocab_chunk_size must be None or an int >= 1, got {vocab_chunk_size!r}")
+    check.same_device("hidden", hidden, weight=weight, bias=bias)
+    targets = targets.to(device=hidden.device)
+    if check.values_checkable(targets) and targets.numel():
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= V))
+        if bool(bad.any()):
+            first = targets[bad].flatten()[0].item()
+            check.fail(f"targets must lie in [0, {V}) or equal ignore_index={ignore_index}, got {first}")
+    impl = backends.select(TOKEN_LOGPROBS, backends.call_info(hidden, weight, bias), backend)
+    with _amp.disabled(hidden.device.type):
+        out = impl(hidden.reshape(-1, H), weight, bias, targets.reshape(-1).to(torch.int64), ignore_index,
+                   float(temperature), want_entropy, want_top1, chunk_size, vocab_chunk_size)
+    shape = targets.shape
+    return TokenLogProbs(*(None if t is None else t.view(shape) for t in out))

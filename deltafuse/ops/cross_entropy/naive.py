@@ -36,3 +36,21 @@ def naive_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-
     if reduction == "sum":
         return total
     return total / count if count else total * float("nan")
+
+
+def naive_token_logprobs(hidden, weight, targets, bias=None, temperature=1.0, ignore_index=-100,
+                         dtype=torch.float64):
+    """Per-token (log_probs, entropy, is_top1) from the full logits in ``dtype``: log_softmax(logits / T) at
+    the target, -sum p log p, and whether ``argmax`` (first maximum) is the target; 0, 0, False where the
+    target is ``ignore_index``. Differentiable (log_probs and entropy) w.r.t. the inputs' ``dtype`` copies."""
+    z = hidden.to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        z = z + bias.to(dtype)
+    z = z / temperature
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets)).to(torch.int64)
+    log_p = torch.log_softmax(z, dim=-1)
+    log_probs = torch.where(valid, log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1), torch.zeros((), dtype=dtype))
+    entropy = torch.where(valid, -(log_p.exp() * log_p).sum(-1), torch.zeros((), dtype=dtype))
+    is_top1 = valid & (z.argmax(dim=-1) == safe)
+    return log_probs, entropy, is_top1

@@ -1,8 +1,8 @@
 """TRL recipes with deltafuse applied: SFT (packed, padding-free), DPO and GRPO on tiny models, CPU, fp32.
 
 Every recipe runs two optimizer steps twice from the same weights on the same batches: once as the reference
-(stock transformers), once with ``deltafuse.apply(model)`` before the trainer is built (the recipe the README
-gives). Compared: the logged loss of both steps and every trainable parameter's gradient of both steps (taken
+(stock transformers), once with ``deltafuse.apply(model)`` before the trainer is built, or with
+``callbacks=[DeltafuseCallback()]`` (the two recipes the README gives). Compared: the logged loss of both steps and every trainable parameter's gradient of both steps (taken
 just before the optimizer step; plain SGD without clipping, so step 2 starts from the same weights).
 
 TRL (1.16) scores tokens with its own fused LM head (``trl.trainer.utils.add_fused_lm_head``: it runs the
@@ -21,23 +21,22 @@ import copy
 import pytest
 import torch
 
-trl = pytest.importorskip("trl", reason="trl is in deltafuse's test extra (pip install -e '.[test]')")
+pytest.importorskip("trl", reason="trl is in deltafuse's test extra (pip install -e '.[test]')")
 
 from datasets import Dataset  # noqa: E402  (a dependency of trl)
 
-from deltafuse import ops, patching  # noqa: E402
+from deltafuse import patching  # noqa: E402
+from deltafuse.integrations.transformers import PATCHER  # noqa: E402
+from deltafuse.integrations.trainer import DeltafuseCallback  # noqa: E402
 from deltafuse.models import build_model  # noqa: E402
 from deltafuse.train.tokenizer import build_byte_tokenizer  # noqa: E402
-from tests.integrations import RTOL, assert_grads_close  # noqa: E402
+from tests.integrations import assert_same_objects, snapshot  # noqa: E402
+from tests.integrations.test_trainer_switch import (STEPS, assert_same_training, grad_recorder, lora,  # noqa: E402
+                                                     op_calls, training_args)  # noqa: F401 (op_calls: a fixture)
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
-LR = 0.05
-STEPS = 2
-COMMON = dict(max_steps=STEPS, logging_steps=1, optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
-              max_grad_norm=0.0,
-              bf16=False, use_cpu=True, report_to="none", save_strategy="no", dataloader_num_workers=0,
-              disable_tqdm=True, seed=1234)
+COMMON = {k: v for k, v in training_args("").items() if k not in ("output_dir", "per_device_train_batch_size")}
 
 
 def _words(gen: torch.Generator, n: int) -> str:
@@ -50,53 +49,8 @@ def _texts(seed: int, lengths) -> list[str]:
     return [_words(gen, n) for n in lengths]
 
 
-def _losses(trainer) -> list[float]:
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
-def _grad_recorder():
-    from transformers import TrainerCallback
-
-    class GradRecorder(TrainerCallback):
-        """Every trainable parameter's gradient at each optimizer step."""
-
-        def __init__(self):
-            self.steps: list[dict] = []
-
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            self.steps.append({n: None if p.grad is None else p.grad.detach().clone()
-                               for n, p in model.named_parameters() if p.requires_grad})
-
-    return GradRecorder()
-
-
 def _assert_same_training(got, ref):
-    """Same logged loss and same gradients (rel RTOL, or fp32 rounding of the largest gradient) at every step."""
-    got_losses, ref_losses = _losses(got), _losses(ref)
-    assert len(ref_losses) == STEPS and len(got_losses) == STEPS, (got_losses, ref_losses)
-    for step, (g, r) in enumerate(zip(got_losses, ref_losses), 1):
-        assert abs(g - r) <= RTOL * abs(r), f"step {step}: loss {g!r} vs reference {r!r}"
-    got_grads, ref_grads = got.recorder.steps, ref.recorder.steps
-    assert len(got_grads) == len(ref_grads) == STEPS
-    for g, r in zip(got_grads, ref_grads):
-        present = [t for t in r.values() if t is not None]
-        assert len(present) >= 0.9 * len(r) and all(t.abs().max() > 0 for t in present)  # not vacuous
-        assert_grads_close(g, r)
-
-
-@pytest.fixture
-def gdn_calls(monkeypatch):
-    """Counts the calls of deltafuse's GDN ops (the patched modeling code looks them up on ``deltafuse.ops``)."""
-    counter = {"chunk_gated_delta_rule": 0, "causal_conv1d_fn": 0, "fused_linear_cross_entropy": 0}
-    for name in counter:
-        fn = getattr(ops, name)
-
-        def spy(*args, _name=name, _fn=fn, **kwargs):
-            counter[_name] += 1
-            return _fn(*args, **kwargs)
-
-        monkeypatch.setattr(ops, name, spy)
-    return counter
+    assert_same_training(got, ref, got.recorder.steps, ref.recorder.steps)
 
 
 # --- SFT, packed and padding-free ----------------------------------------------------------------------------
@@ -137,73 +91,83 @@ def _per_sequence_sft_trainer_cls():
     return PerSequenceSFTTrainer
 
 
-def _lora(model, seed):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)  # init_lora_weights=False: B is random too, so every LoRA gradient is non-zero
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
-                                        "out_proj"])
-    return get_peft_model(model, config)
-
-
-def _train(make_trainer, models, *, apply: bool):
-    """Build the trainer (after ``deltafuse.apply`` on every model when ``apply``), train, revert."""
-    if apply:
+def _train(make_trainer, models, *, mode: str):
+    """Build the trainer and train. ``mode``: "stock"; "apply" (``deltafuse.apply`` on every model before the
+    trainer is built, ``revert`` after); "callback" (``make_trainer`` is given ``[DeltafuseCallback()]``)."""
+    assert mode in ("stock", "apply", "callback"), mode
+    if mode == "apply":
         for model in models:
             patching.apply(model)
     try:
-        trainer = make_trainer()
-        trainer.recorder = _grad_recorder()
+        trainer = make_trainer([DeltafuseCallback()] if mode == "callback" else [])
+        trainer.recorder = grad_recorder()
         trainer.add_callback(trainer.recorder)
         trainer.train()
     finally:
-        if apply:
+        if mode == "apply":
             patching.revert()
     return trainer
 
 
-def _sft_run(name, tmp_path, *, reference: bool, lora: bool, packed: bool):
+def _sft_run(name, tmp_path, *, mode: str, peft: bool, packed: bool):
     from trl import SFTConfig, SFTTrainer
 
     model = build_model(name, seed=7).train()
-    if lora:
-        model = _lora(model, seed=8)
+    if peft:
+        model = lora(model, seed=8)
     # 12 sequences of 1..14 tokens (bytes + EOS), a length-1 one (empty text) included: 3 packed rows of <= 32
     texts = _texts(9, [0, 13, 5, 9, 2, 11, 7, 4, 6, 10, 3, 8])
     dataset = Dataset.from_list([{"text": t} for t in texts])
-    args = SFTConfig(output_dir=str(tmp_path / ("ref" if reference else "deltafuse")), per_device_train_batch_size=2,
-                     max_length=32, packing=packed, padding_free=packed,
-                     gradient_checkpointing=not reference, **COMMON)  # TRL's default (on) for the deltafuse run
-    trainer_cls = _per_sequence_sft_trainer_cls() if reference and packed else SFTTrainer
+    args = SFTConfig(output_dir=str(tmp_path / mode), per_device_train_batch_size=2, max_length=32, packing=packed,
+                     padding_free=packed, gradient_checkpointing=mode != "stock",  # TRL's default: on
+                     **COMMON)
+    trainer_cls = _per_sequence_sft_trainer_cls() if mode == "stock" and packed else SFTTrainer
 
-    def make():
-        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=build_byte_tokenizer())
-        trainer.seen_sequences = []
+    def make(callbacks):
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=build_byte_tokenizer(),
+                              callbacks=callbacks)
+        # what train() starts from (TRL has set the model's instance ``forward`` to its fused LM head by now)
+        trainer.seen_sequences, trainer.before = [], snapshot(model)
         return trainer
 
-    return _train(make, [model], apply=not reference)
+    return _train(make, [model], mode=mode)
 
 
-@pytest.mark.parametrize("name,lora", [("tiny", True), ("tiny-moe", False), ("tiny-next", True)])
-def test_sft_packed_padding_free_equals_per_sequence_stock(name, lora, tmp_path, gdn_calls):
-    ref = _sft_run(name, tmp_path, reference=True, lora=lora, packed=True)
-    assert gdn_calls["chunk_gated_delta_rule"] == 0  # the reference is stock transformers
+@pytest.mark.parametrize("name,peft", [("tiny", True), ("tiny-moe", False), ("tiny-next", True)])
+def test_sft_packed_padding_free_equals_per_sequence_stock(name, peft, tmp_path, op_calls):
+    ref = _sft_run(name, tmp_path, mode="stock", peft=peft, packed=True)
+    assert op_calls["chunk_gated_delta_rule"] == 0  # the reference is stock transformers
     assert len(ref.seen_sequences) == STEPS and min(ref.seen_sequences) >= 3, ref.seen_sequences  # really packed
-    got = _sft_run(name, tmp_path, reference=False, lora=lora, packed=True)
+    got = _sft_run(name, tmp_path, mode="apply", peft=peft, packed=True)
     batch = next(iter(got.get_train_dataloader()))
     assert {"cu_seq_lens_q", "seq_idx", "position_ids"} <= set(batch) and "attention_mask" not in batch
-    assert gdn_calls["chunk_gated_delta_rule"] > 0 and gdn_calls["causal_conv1d_fn"] > 0
-    assert gdn_calls["fused_linear_cross_entropy"] == 0  # TRL's fused head computes the SFT loss
+    assert op_calls["chunk_gated_delta_rule"] > 0 and op_calls["causal_conv1d_fn"] > 0
+    assert op_calls["fused_linear_cross_entropy"] == 0  # TRL's fused head computes the SFT loss
     _assert_same_training(got, ref)
 
 
-def test_sft_padded_equals_stock(tmp_path, gdn_calls):
+def test_sft_packed_with_the_callback(tmp_path, op_calls):
+    """``callbacks=[DeltafuseCallback()]``: patched from ``train()`` on (after TRL added its fused LM head, so
+    TRL's captured forward is the stock one), same result as above, everything restored afterwards."""
+    ref = _sft_run("tiny", tmp_path, mode="stock", peft=True, packed=True)
+    got = _sft_run("tiny", tmp_path, mode="callback", peft=True, packed=True)
+    assert op_calls["chunk_gated_delta_rule"] > 0 and op_calls["fused_linear_cross_entropy"] == 0
+    _assert_same_training(got, ref)
+    callback = next(c for c in got.callback_handler.callbacks if isinstance(c, DeltafuseCallback))
+    assert callback.report.applied and not callback.active and not PATCHER.has_records()
+    assert_same_objects(got.before, snapshot(got.model))  # every object a patch row may touch, as found
+    calls = dict(op_calls)
+    with torch.no_grad():
+        got.model(input_ids=torch.randint(0, 200, (1, 9)), use_cache=False)
+    assert op_calls == calls  # stock again after train()
+
+
+def test_sft_padded_equals_stock(tmp_path, op_calls):
     """Without packing (right-padded rows with an attention mask) stock transformers is the reference itself."""
-    ref = _sft_run("tiny", tmp_path, reference=True, lora=False, packed=False)
-    got = _sft_run("tiny", tmp_path, reference=False, lora=False, packed=False)
+    ref = _sft_run("tiny", tmp_path, mode="stock", peft=False, packed=False)
+    got = _sft_run("tiny", tmp_path, mode="apply", peft=False, packed=False)
     assert "attention_mask" in next(iter(got.get_train_dataloader()))
-    assert gdn_calls["chunk_gated_delta_rule"] > 0
+    assert op_calls["chunk_gated_delta_rule"] > 0
     _assert_same_training(got, ref)
 
 
@@ -219,15 +183,16 @@ def _dpo_run(tmp_path, *, apply: bool):
                                  for p, c, r in zip(prompts, chosen, rejected)])
     args = DPOConfig(output_dir=str(tmp_path / ("deltafuse" if apply else "ref")), per_device_train_batch_size=2,
                      max_length=32, beta=0.5, gradient_checkpointing=False, **COMMON)
-    return _train(lambda: DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=dataset,
-                                     processing_class=build_byte_tokenizer()), [model, ref_model], apply=apply)
+    return _train(lambda callbacks: DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=dataset,
+                                               processing_class=build_byte_tokenizer()),
+                  [model, ref_model], mode="apply" if apply else "stock")
 
 
-def test_dpo_equals_stock(tmp_path, gdn_calls):
+def test_dpo_equals_stock(tmp_path, op_calls):
     ref = _dpo_run(tmp_path, apply=False)
-    assert gdn_calls["chunk_gated_delta_rule"] == 0
+    assert op_calls["chunk_gated_delta_rule"] == 0
     got = _dpo_run(tmp_path, apply=True)
-    assert gdn_calls["chunk_gated_delta_rule"] > 0
+    assert op_calls["chunk_gated_delta_rule"] > 0
     _assert_same_training(got, ref)
 
 
@@ -246,15 +211,16 @@ def _grpo_run(tmp_path, *, apply: bool):
     args = GRPOConfig(output_dir=str(tmp_path / ("deltafuse" if apply else "ref")), per_device_train_batch_size=4,
                       num_generations=4, max_completion_length=4, use_vllm=False, beta=0.0,
                       gradient_checkpointing=False, **COMMON)
-    return _train(lambda: GRPOTrainer(model=model, reward_funcs=_reward_spread, args=args, train_dataset=dataset,
-                                      processing_class=build_byte_tokenizer()), [model], apply=apply)
+    return _train(lambda callbacks: GRPOTrainer(model=model, reward_funcs=_reward_spread, args=args,
+                                                train_dataset=dataset, processing_class=build_byte_tokenizer()),
+                  [model], mode="apply" if apply else "stock")
 
 
-def test_grpo_equals_stock(tmp_path, gdn_calls):
+def test_grpo_equals_stock(tmp_path, op_calls):
     ref = _grpo_run(tmp_path, apply=False)
-    assert gdn_calls["chunk_gated_delta_rule"] == 0
+    assert op_calls["chunk_gated_delta_rule"] == 0
     got = _grpo_run(tmp_path, apply=True)
-    assert gdn_calls["chunk_gated_delta_rule"] > 0
+    assert op_calls["chunk_gated_delta_rule"] > 0
     rewards = [h["reward"] for h in got.state.log_history if "reward" in h]
     assert rewards == [h["reward"] for h in ref.state.log_history if "reward" in h]  # the same samples
     _assert_same_training(got, ref)

@@ -1,0 +1,203 @@
+"""``DeltafuseCallback``: one switch for the Hugging Face Trainer (TRL trainers: tests/integrations/test_trl.py).
+
+The callback run and a stock run start from the same weights and see the same batches; two plain-SGD steps
+without clipping; compared: the logged loss of both steps and every trainable gradient of both steps. The
+patched ops are counted on ``deltafuse.ops`` (where the patched modeling code looks them up), and after
+``train()`` every object a patch row may touch is the one found before.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltafuse import ops, patching
+from deltafuse.integrations.transformers import PATCHER
+from deltafuse.integrations.trainer import DeltafuseCallback
+from deltafuse.models import build_model
+from tests.integrations import RTOL, assert_grads_close, assert_same_objects, snapshot
+
+pytestmark = pytest.mark.usefixtures("clean_deltafuse")
+
+STEPS = 2
+COUNTED = ("chunk_gated_delta_rule", "causal_conv1d_fn", "rms_norm_zero_centered", "fused_linear_cross_entropy",
+           "moe_experts")
+
+
+def training_args(output_dir, **overrides):
+    """Arguments shared by the trainer tests: CPU, fp32, two plain-SGD steps, a log line per step."""
+    fields = dict(output_dir=str(output_dir), max_steps=STEPS, logging_steps=1, optim="sgd", learning_rate=0.05,
+                  lr_scheduler_type="constant", max_grad_norm=0.0, bf16=False, use_cpu=True, report_to="none",
+                  save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, seed=1234,
+                  per_device_train_batch_size=2)
+    return {**fields, **overrides}
+
+
+def grad_recorder():
+    """A callback keeping every trainable parameter's gradient at each optimizer step."""
+    from transformers import TrainerCallback
+
+    class GradRecorder(TrainerCallback):
+        def __init__(self):
+            self.steps: list[dict] = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.steps.append({n: None if p.grad is None else p.grad.detach().clone()
+                               for n, p in model.named_parameters() if p.requires_grad})
+
+    return GradRecorder()
+
+
+def logged_losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def assert_same_training(got, ref, got_grads, ref_grads, rtol=RTOL):
+    """Same logged loss and the same gradients (rel ``rtol``, or fp32 rounding of the largest gradient) at
+    every step; the reference's gradients are present and non-zero (the comparison is not vacuous)."""
+    got_losses, ref_losses = logged_losses(got), logged_losses(ref)
+    assert len(ref_losses) == STEPS and len(got_losses) == STEPS, (got_losses, ref_losses)
+    for step, (g, r) in enumerate(zip(got_losses, ref_losses), 1):
+        assert abs(g - r) <= rtol * abs(r), f"step {step}: loss {g!r} vs reference {r!r}"
+    assert len(got_grads) == len(ref_grads) == STEPS
+    for step, (g, r) in enumerate(zip(got_grads, ref_grads), 1):
+        present = [t for t in r.values() if t is not None]
+        assert len(present) >= 0.9 * len(r) and all(t.abs().max() > 0 for t in present)
+        assert_grads_close(g, r, rtol)
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts the calls of deltafuse's public ops."""
+    counter = dict.fromkeys(COUNTED, 0)
+    for name in COUNTED:
+        fn = getattr(ops, name)
+
+        def spy(*args, _name=name, _fn=fn, **kwargs):
+            counter[_name] += 1
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, spy)
+    return counter
+
+
+class Rows(torch.utils.data.Dataset):
+    """Random token rows of one length (no padding), labels = inputs."""
+
+    def __init__(self, n, length, vocab, seed):
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, length), generator=gen)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def lora(model, seed):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)  # init_lora_weights=False: B is random too, so every LoRA gradient is non-zero
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
+                                        "out_proj"])
+    return get_peft_model(model, config)
+
+
+def _hf_run(name, tmp_path, *, callback, peft: bool):
+    from transformers import Trainer, TrainingArguments
+
+    model = build_model(name, seed=5).train()
+    if peft:
+        model = lora(model, seed=6)
+    data = Rows(4, 24, model.config.vocab_size, seed=7)
+    recorder = grad_recorder()
+    callbacks = [recorder] + ([callback] if callback is not None else [])
+    args = TrainingArguments(**training_args(tmp_path / ("on" if callback else "off")))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    before = snapshot(model)
+    assert not PATCHER.has_records()  # building the trainer patches nothing
+    trainer.train()
+    return trainer, recorder.steps, before, model
+
+
+@pytest.mark.parametrize("name,peft", [("tiny-moe", False), ("tiny", True)])
+def test_hf_trainer_callback_equals_stock_and_reverts(name, peft, tmp_path, op_calls):
+    ref, ref_grads, _, _ = _hf_run(name, tmp_path, callback=None, peft=peft)
+    assert sum(op_calls.values()) == 0
+    callback = DeltafuseCallback()
+    got, got_grads, before, model = _hf_run(name, tmp_path, callback=callback, peft=peft)
+    # the patched ops served the training: GDN, norms and the causal-LM loss (the Trainer passes labels)
+    for op in ("chunk_gated_delta_rule", "causal_conv1d_fn", "rms_norm_zero_centered", "fused_linear_cross_entropy"):
+        assert op_calls[op] > 0, op_calls
+    if name == "tiny-moe":
+        assert op_calls["moe_experts"] > 0
+    assert callback.report is not None and callback.report.applied
+    # fp32: deltafuse's loss sums the cross-entropy in chunks, stock over the full logits (measured: <= 1.6e-4
+    # on these two steps; a state leak across sequences shows as ~1e-3)
+    assert_same_training(got, ref, got_grads, ref_grads, rtol=3 * RTOL)
+    # reverted at the end of train(): every object is the one found before
+    assert not callback.active and not PATCHER.has_records()
+    assert_same_objects(before, snapshot(model))
+    calls = dict(op_calls)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 200, (1, 9)))
+    assert op_calls == calls  # stock again
+
+
+def test_callback_leaves_an_earlier_apply_in_place(tmp_path, op_calls):
+    """The callback reverts what it applied, not a ``deltafuse.apply`` made before the trainer."""
+    from transformers import Trainer, TrainingArguments
+
+    model = build_model("tiny", seed=1).train()
+    patching.apply(model)
+    applied = snapshot(model)
+    callback = DeltafuseCallback()
+    trainer = Trainer(model=model, args=TrainingArguments(**training_args(tmp_path, max_steps=1)),
+                      train_dataset=Rows(2, 12, model.config.vocab_size, seed=2), callbacks=[callback])
+    trainer.train()
+    assert not callback.active and PATCHER.has_records()
+    assert_same_objects(applied, snapshot(model))
+    assert op_calls["chunk_gated_delta_rule"] > 0
+
+
+def test_revert_at_end_false_keeps_deltafuse_until_revert(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = build_model("tiny", seed=1).train()
+    before = snapshot(model)
+    callback = DeltafuseCallback(revert_at_end=False)
+    trainer = Trainer(model=model, args=TrainingArguments(**training_args(tmp_path, max_steps=1)),
+                      train_dataset=Rows(2, 12, model.config.vocab_size, seed=2), callbacks=[callback])
+    trainer.train()
+    assert callback.active and PATCHER.has_records()
+    callback.revert()
+    assert not callback.active and not PATCHER.has_records()
+    assert_same_objects(before, snapshot(model))
+    callback.revert()  # a second revert does nothing
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(gdn="yes"), ["gdn", "'yes'"]),
+    (dict(backend="cuda"), ["backend", "'cuda'", "triton"]),
+    (dict(revert_at_end=1), ["revert_at_end", "1", "True or False"]),
+])
+def test_callback_arguments_are_checked_when_built(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        DeltafuseCallback(**kwargs)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_unsupported_model_fails_when_the_trainer_is_built(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from deltafuse.patching import UnsupportedModelError
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
+        Trainer(model=model, args=TrainingArguments(**training_args(tmp_path)),
+                train_dataset=Rows(2, 8, 64, seed=0), callbacks=[DeltafuseCallback()])
+    assert not PATCHER.has_records()

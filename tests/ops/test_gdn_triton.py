@@ -149,6 +149,18 @@ def test_chunk_plan_tables(lengths):
     assert plan.chunks.view(-1, 3).tolist() == [list(r) for r in rows]
 
 
+def test_chunk_empty_rows_pass_the_state_through():
+    """B rows of T = 0 tokens: empty output, final state = initial state, gradient passed straight back."""
+    xs, _ = make_inputs(2, 0, 1, 2, 16, 16, dtype=torch.float32, h0=True, seed=5)
+    h0 = xs["initial_state"].clone().requires_grad_()
+    o, ht = chunk_gated_delta_rule_triton(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], 0.25, h0, True, True)
+    assert o.shape == (2, 0, 2, 16)
+    assert torch.equal(ht, h0.detach())
+    dht = torch.randn_like(ht)
+    (ht * dht).sum().backward()
+    assert torch.equal(h0.grad, dht)
+
+
 def test_chunk_only_output_grad():
     """Backward with no gradient flowing into the final state, and an initial state without grad."""
     xs, _ = make_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32, h0=True)

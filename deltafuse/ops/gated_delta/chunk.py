@@ -531,7 +531,7 @@ _PLANS: dict = {}
 
 def _plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Plan:
     """Chunk tables, cached by sequence layout (they depend on lengths only, never on values)."""
-    bounds = tuple(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_offsets(cu_seqlens)
+    bounds = tuple(n * T for n in range(B + 1)) if cu_seqlens is None else host_offsets(cu_seqlens)
     key = (bounds, str(device))
     plan = _PLANS.get(key)
     if plan is None:

@@ -8,6 +8,12 @@ gradient (random upstream gradient). Timing: median of ``triton.testing.do_bench
 random non-zero bf16 data, with use_qk_l2norm_in_kernel=True. Memory: peak allocated during one
 forward+backward minus what was allocated before it (inputs and upstream gradient excluded).
 
+Packed rows (``--packed``): one row of ``--packed-tokens`` tokens cut into many sequences (cu_seqlens):
+one sequence, all of length 1, lengths uniform in 1..16, and a mix of long and short; each implementation's
+time is compared with its own time on the one-sequence row (the cost of many short sequences). The HF
+fallback has no cu_seqlens support (it ignores or refuses them), so it has no packed rows; deltafuse's torch
+reference (the backend where Triton is unavailable) has.
+
 FLA 0.6 refuses the GDN backward on Hopper with Triton < 3.7.1 (its outputs are wrong there). For the
 timing rows only, its guard ``fla.ops.common.chunk_o.IS_NVIDIA_HOPPER`` is set to False; those rows are
 labelled "fla (guard off)" and their correctness column shows what that backward computes.
@@ -33,6 +39,39 @@ from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
 SHAPES = [(1, 4096, 16, 32, 128), (1, 16384, 16, 32, 128), (8, 2048, 16, 32, 128), (1, 65536, 16, 32, 128)]
 
 
+def _uniform_lengths(total, lo, hi, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(lo, hi + 1, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
+
+
+def _mixed_lengths(total):
+    """Half the tokens in one sequence, a quarter in a second, the rest in 1, 3, 64, 65, 200 and 1..16."""
+    lengths = [total // 2, total // 4]
+    rest = total - sum(lengths)
+    pattern = [1, 3, 64, 65, 200]
+    while rest >= sum(pattern):
+        lengths += pattern
+        rest -= sum(pattern)
+    return lengths + (_uniform_lengths(rest, 1, 16, 2) if rest else [])
+
+
+# packed layouts: name -> sequence lengths for a row of ``total`` tokens
+PACKED = {
+    "one": lambda total: [total],
+    "all1": lambda total: [1] * total,
+    "u1-16": lambda total: _uniform_lengths(total, 1, 16, 1),
+    "mix": _mixed_lengths,
+}
+
+
+def cu_of(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64, device="cuda")
+
+
 def make(B, T, H, HV, D, dtype=torch.bfloat16, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
@@ -49,8 +88,15 @@ def make(B, T, H, HV, D, dtype=torch.bfloat16, seed=0):
 # ---------------------------------------------------------------------------------------------------
 
 
-def ours(q, k, v, g, beta):
-    return chunk_mod.chunk_gated_delta_rule_triton(q, k, v, g, beta, q.shape[-1] ** -0.5, None, False, True)[0]
+def ours(q, k, v, g, beta, cu_seqlens=None):
+    return chunk_mod.chunk_gated_delta_rule_triton(q, k, v, g, beta, q.shape[-1] ** -0.5, None, False, True,
+                                                   cu_seqlens)[0]
+
+
+def torch_ref(q, k, v, g, beta, cu_seqlens=None):
+    from deltafuse.ops.gated_delta.reference import chunk_gated_delta_rule_torch
+
+    return chunk_gated_delta_rule_torch(q, k, v, g, beta, q.shape[-1] ** -0.5, None, False, True, cu_seqlens)[0]
 
 
 def load_fla():
@@ -65,8 +111,9 @@ def load_fla():
         fla_chunk_o.IS_NVIDIA_HOPPER = False  # timing only: FLA refuses this backward on this stack
         guard_off = True
 
-    def fla_fn(q, k, v, g, beta):
-        return chunk_gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True)[0]
+    def fla_fn(q, k, v, g, beta, cu_seqlens=None):
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
+                                      cu_seqlens=cu_seqlens)[0]
 
     return fla_fn, ("fla (guard off)" if guard_off else "fla")
 
@@ -97,13 +144,13 @@ def rel(a, b):
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
-def correctness(fn, shape, seed=1):
+def correctness(fn, shape, seed=1, cu=None):
     B, T, H, HV, D = shape
     xs = make(B, T, H, HV, D, seed=seed)
     a = [x.clone().requires_grad_() for x in xs]
     b = [x.double().requires_grad_() for x in xs]
-    o = fn(*a)
-    ro, _ = naive_gated_delta_rule(*b, D**-0.5, None, False, True)
+    o = fn(*a, cu_seqlens=cu) if cu is not None else fn(*a)
+    ro, _ = naive_gated_delta_rule(*b, D**-0.5, None, False, True, cu)
     do = torch.randn_like(ro)
     (o.double() * do).sum().backward()
     (ro * do).sum().backward()
@@ -115,16 +162,17 @@ def correctness(fn, shape, seed=1):
     return errs, ok
 
 
-def timing(fn, shape, rep_ms, seed=0):
+def timing(fn, shape, rep_ms, seed=0, cu=None):
     B, T, H, HV, D = shape
     xs = [x.requires_grad_() for x in make(B, T, H, HV, D, seed=seed)]
     do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+    extra = {} if cu is None else {"cu_seqlens": cu}
 
     def fwd():
-        return fn(*xs)
+        return fn(*xs, **extra)
 
     def fwdbwd():
-        o = fn(*xs)
+        o = fn(*xs, **extra)
         torch.autograd.backward(o, do)
 
     fwdbwd()  # warm-up / compile / autotune
@@ -207,9 +255,23 @@ def main():
     ap.add_argument("--variants", default="", help="semicolon-separated OPTIONS overrides for extra rows of "
                     "ours, e.g. 'f32_dots=1;state_dtype=fp32,inter_dtype=fp32'")
     ap.add_argument("--breakdown", default="", help="shape indices for a per-stage timing of ours, e.g. 0,1")
-    ap.add_argument("--skip", default="", help="comma list of impls to skip: hf,fla,ours")
+    ap.add_argument("--skip", default="", help="comma list of impls to skip: hf,fla,ours,ref")
+    ap.add_argument("--packed", default="one,all1,u1-16,mix",
+                    help=f"packed-row layouts to time (comma list of {', '.join(PACKED)}; empty for none)")
+    ap.add_argument("--packed-tokens", type=int, default=4096, help="tokens in the packed row")
+    ap.add_argument("--packed-heads", default="16,32,128", help="H,HV,D of the packed rows")
+    ap.add_argument("--packed-check", default="1,3,64,65,200,1,2,16,9,1",
+                    help="sequence lengths of the packed correctness check (same heads)")
     args = ap.parse_args()
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    layouts = [x for x in args.packed.split(",") if x]
+    unknown = [x for x in layouts if x not in PACKED]
+    if unknown:
+        ap.error(f"--packed: unknown layout(s) {unknown}; allowed: {', '.join(PACKED)}")
+    if args.packed_tokens < 1:
+        ap.error(f"--packed-tokens must be >= 1, got {args.packed_tokens}")
+    packed_heads = tuple(int(x) for x in args.packed_heads.split(","))
+    check_lengths = [int(x) for x in args.packed_check.split(",")]
     check_shape = tuple(int(x) for x in args.check_shape.split(","))
     info = stack()
     print("stack:", json.dumps(info))
@@ -300,6 +362,58 @@ def main():
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(table)
+
+    if layouts:
+        packed_rows(args, results, impls, layouts, packed_heads, check_lengths, skip, base_opts)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(results["packed_table"])
+
+
+def packed_rows(args, results, impls, layouts, heads, check_lengths, skip, base_opts):
+    """Many sequences in one row: time against each implementation's own one-sequence time."""
+    H, HV, D = heads
+    T = args.packed_tokens
+    runs = [(name, fn, label) for name, fn, label, *_ in impls if name in ("ours", "fla") and fn is not None]
+    if "ref" not in skip:
+        runs.append(("ref", torch_ref, "deltafuse torch reference"))
+    rows = results["packed"] = []
+    check_cu = cu_of(check_lengths)
+    check_shape = (1, sum(check_lengths), H, HV, D)
+    for name, fn, label in runs:
+        try:
+            errs, ok = correctness(fn, check_shape, cu=check_cu)
+        except Exception as e:  # noqa: BLE001
+            errs, ok = {"error": f"{type(e).__name__}: {e}"[:300]}, False
+        print(f"{name}: packed correctness at lengths {check_lengths}: {'PASS' if ok else 'FAIL'} {errs}", flush=True)
+        for layout in layouts:
+            lengths = PACKED[layout](T)
+            row = {"impl": name, "label": label, "layout": layout, "tokens": T, "sequences": len(lengths),
+                   "heads": heads, "correct": ok, "errors": errs}
+            try:
+                t_f, t_fb, peak = timing(fn, (1, T, H, HV, D), args.rep_ms, cu=cu_of(lengths))
+                row.update(fwd_ms=t_f, fwdbwd_ms=t_fb, peak_gib=peak / 2**30)
+            except torch.cuda.OutOfMemoryError as e:
+                row["skipped"] = f"OOM: {str(e)[:120]}"
+            except Exception as e:  # noqa: BLE001
+                row["skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    one = {r["impl"]: r for r in rows if r["layout"] == "one" and "skipped" not in r}
+    lines = [f"| packed row of {T} tokens, (H,HV,D)={heads} | impl | correct | fwd ms | fwd+bwd ms | peak GiB | "
+             "fwd / fwd+bwd vs one sequence |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        where = f"{r['layout']} ({r['sequences']} sequences)"
+        if "skipped" in r:
+            lines.append(f"| {where} | {r['label']} | {'yes' if r['correct'] else 'NO'} | - | - | - | "
+                         f"skipped: {r['skipped']} |")
+            continue
+        base = one.get(r["impl"])
+        ratio = f"{r['fwd_ms'] / base['fwd_ms']:.2f}x / {r['fwdbwd_ms'] / base['fwdbwd_ms']:.2f}x" if base else "-"
+        lines.append(f"| {where} | {r['label']} | {'yes' if r['correct'] else 'NO'} | {r['fwd_ms']:.3f} | "
+                     f"{r['fwdbwd_ms']:.3f} | {r['peak_gib']:.2f} | {ratio} |")
+    results["packed_table"] = "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -187,3 +187,125 @@ def test_no_final_state_unless_asked(name):
     q, k, v, g, beta, h0 = make_inputs(1, 3, 1, 1, 16, 16, torch.float32)
     o, final = FUNCS[name](q, k, v, g, beta, 0.25, h0, False, False)
     assert final is None and o.shape == v.shape
+
+
+# --- many short packed sequences -------------------------------------------------------------------------
+# Every sequence is cut into full chunks plus a tail held by the next power of two (1, 2, ..., 64 tokens);
+# these lengths give every tail size, sequences with only a tail, only full chunks, and both.
+EVERY_TAIL = [1, 2, 3, 7, 12, 17, 33, 63, 64, 65, 130, 1]
+
+
+def per_sequence_oracle(inputs, cu, scale, l2, do, dh):
+    """float64 oracle run sequence by sequence on leaf copies (each from its own initial state); returns
+    (o, final, grads of q, k, v, g, beta, h0) with the same loss as run_with_grads."""
+    q, k, v, g, beta, h0 = (t.detach().double().requires_grad_(True) for t in inputs)
+    outs, finals = [], []
+    for n in range(cu.numel() - 1):
+        s, e = int(cu[n]), int(cu[n + 1])
+        o_n, f_n = naive_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale,
+                                          h0[n : n + 1], True, l2)
+        outs.append(o_n)
+        finals.append(f_n)
+    o, final = torch.cat(outs, 1), torch.cat(finals, 0)
+    loss = (o * do).sum() + (final * dh).sum()
+    return o, final, torch.autograd.grad(loss, [q, k, v, g, beta, h0])
+
+
+def check_per_sequence(fn, lengths, H, G, dtype, *, g_mode="rand", beta_mode="rand", seed=0, l2=True):
+    """fn on the packed batch against the per-sequence float64 oracle: outputs, final states and every
+    gradient, asserted sequence by sequence (so one wrong short sequence cannot hide in an average)."""
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    T, N, K, V = int(cu[-1]), len(lengths), 16, 16
+    inputs = make_inputs(1, T, H, G, K, V, dtype, n_states=N, g_mode=g_mode, beta_mode=beta_mode, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    do = torch.randn(1, T, H * G, V, generator=gen, dtype=torch.float64)
+    dh = torch.randn(N, H * G, K, V, generator=gen, dtype=torch.float64)
+    o, final, grads = run_with_grads(fn, inputs, K**-0.5, True, l2, cu, do, dh)
+    o_ref, final_ref, grads_ref = per_sequence_oracle(inputs, cu, K**-0.5, l2, do, dh)
+    out_tol, grad_tol = TOL[dtype]
+    for n in range(N):
+        s, e = int(cu[n]), int(cu[n + 1])
+        where = f"sequence {n} (length {e - s})"
+        assert_rel_close(o[:, s:e], o_ref[:, s:e], out_tol, f"o of {where}")
+        assert_rel_close(final[n], final_ref[n], out_tol, f"final state of {where}")
+        for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, grads_ref):
+            assert_rel_close(a[:, s:e], b[:, s:e], grad_tol, f"{name} of {where}")
+        assert_rel_close(grads[5][n], grads_ref[5][n], grad_tol, f"dh0 of {where}")
+
+
+@pytest.mark.parametrize("name", list(FUNCS))
+@pytest.mark.parametrize("H,G", [(2, 1), (1, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_many_short_sequences_match_per_sequence_oracle(name, H, G, dtype):
+    lengths = EVERY_TAIL if name == "chunk" else [1, 3, 1, 17, 2, 1, 33, 1]
+    check_per_sequence(FUNCS[name], lengths, H, G, dtype, seed=H + G)
+
+
+@pytest.mark.parametrize("g_mode,beta_mode", [("tiny", "rand"), ("strong", "rand"), ("rand", 0.0), ("rand", 1.0),
+                                               ("strong", 1.0)])
+@pytest.mark.parametrize("H,G", [(2, 1), (1, 4)])
+def test_many_short_sequences_extreme_decay_and_beta(g_mode, beta_mode, H, G):
+    check_per_sequence(chunk_gated_delta_rule_torch, EVERY_TAIL, H, G, torch.float64, g_mode=g_mode,
+                       beta_mode=beta_mode, seed=7)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_short_lengths_match_per_sequence_oracle(seed):
+    """Lengths uniform in 1..16 between two longer sequences, fresh lengths per seed."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 17, (30,), generator=gen).tolist()
+    lengths[4], lengths[20] = 97, 64 + int(torch.randint(1, 64, (1,), generator=gen))
+    check_per_sequence(chunk_gated_delta_rule_torch, lengths, 1, 2, torch.float32, seed=seed)
+
+
+@pytest.mark.parametrize("name", list(FUNCS))
+def test_short_sequences_without_states(name):
+    """No initial state and no final state asked (the training call): zero entry states are never
+    materialised for sequences shorter than a chunk; outputs and gradients still match the oracle."""
+    lengths = [1, 5, 1, 70, 2, 1]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    q, k, v, g, beta, _ = make_inputs(1, int(cu[-1]), 1, 2, 16, 16, torch.float64, n_states=len(lengths), seed=4)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+    ref_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+    o, final = FUNCS[name](*leaves, 0.25, None, False, True, cu)
+    assert final is None
+    o_ref, _ = naive_gated_delta_rule(*ref_leaves, 0.25, None, False, True, cu)
+    assert_rel_close(o, o_ref, 1e-12, "o")
+    do = torch.randn_like(o_ref)
+    grads = torch.autograd.grad((o * do).sum(), leaves)
+    grads_ref = torch.autograd.grad((o_ref * do).sum(), ref_leaves)
+    for gname, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, grads_ref):
+        assert_rel_close(a, b, 1e-11, gname)
+
+
+def test_non_contiguous_initial_state():
+    lengths = [3, 1, 66]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    q, k, v, g, beta, h0 = make_inputs(1, int(cu[-1]), 1, 2, 16, 16, torch.float64, n_states=3, seed=6)
+    h0_t = h0.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, K and V strides swapped
+    assert not h0_t.is_contiguous()
+    o, final = chunk_gated_delta_rule_torch(q, k, v, g, beta, 0.25, h0_t, True, True, cu)
+    o_ref, final_ref = naive_gated_delta_rule(q, k, v, g, beta, 0.25, h0, True, True, cu)
+    assert_rel_close(o, o_ref, 1e-12, "o")
+    assert_rel_close(final, final_ref, 1e-12, "final_state")
+
+
+@pytest.mark.parametrize("lengths", [[1] * 500, [16, 1, 9, 2, 15] * 40, [1000, 1, 3, 64, 65, 200, 33]])
+def test_schedule_padding_is_bounded_by_the_tails(lengths):
+    """Work follows the tokens, not the number of sequences: every slot of the chunked schedule holds a
+    token except tail padding, and a tail of r tokens is padded to at most 2r - 1 (so at most 2x the
+    tokens); each token has exactly one slot."""
+    from deltafuse.ops.gated_delta.reference import _Schedule
+
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    T = int(cu[-1])
+    sched = _Schedule.packed(cu, 64, "cpu")
+    index = torch.cat([sched.token_index.reshape(-1)] + [t.reshape(-1) for t, _ in sched.tails])
+    real = index[index < T]
+    assert torch.equal(real.sort().values, torch.arange(T)), "every token exactly once"
+    tails = [L % 64 for L in lengths if L % 64]
+    allowed = sum(2 * r - 1 for r in tails)
+    assert index.numel() - T <= allowed and index.numel() <= 2 * T
+    assert len(sched.active) == max(lengths) // 64  # the scan runs over full chunks only
+    slots = sched.slot_of_token if sched.slot_of_token is not None else torch.arange(index.numel())
+    assert torch.equal(index[slots], torch.arange(T)), "slot_of_token inverts the layout"

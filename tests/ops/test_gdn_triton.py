@@ -116,6 +116,8 @@ SMALL_CASES = [
     ("varlen_gqa", (1, 130, 1, 4, 16, 16), dict(h0=True, l2=True, cu=[0, 1, 65, 66, 129, 130])),
     ("g_tiny_beta_extreme", (1, 80, 1, 2, 16, 16), dict(h0=True, l2=True, g_mode="tiny", beta_mode="extreme")),
     ("g_strong", (1, 80, 1, 2, 16, 16), dict(h0=True, l2=False, g_mode="strong")),
+    # many short sequences (lengths 1, 1, 2, 1, 3, 1, 1, 5, 1, 1, 66), one chunk-crossing sequence at the end
+    ("varlen_short", (1, 83, 1, 2, 16, 16), dict(h0=True, l2=True, cu=[0, 1, 2, 4, 5, 8, 9, 10, 15, 16, 17, 83])),
 ]
 
 
@@ -125,6 +127,38 @@ def test_chunk_fp32(shape, opts):
     # (about 4e-5 absolute) goes straight into exp(gc_i - gc_j), so that case gets a 5x looser bound.
     tol = FP32_TOL * (5 if opts.get("g_mode") == "strong" else 1)
     check_chunk(*shape, dtype=torch.float32, tol_o=tol, tol_grad=tol, tol_gb=tol, **opts)
+
+
+@pytest.mark.parametrize("lengths", [[1] * 300, [64], [65, 1, 128, 2, 63], [1, 3, 64, 65, 200] * 7, "random"])
+def test_chunk_plan_tables(lengths):
+    """The chunk tables (built with tensor operations) equal a plain listing: per sequence its offsets, its
+    first chunk, and one (sequence, start, end) row per 64-token chunk, in order."""
+    if lengths == "random":
+        lengths = torch.randint(1, 200, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    rows, first = [], []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        first.append(len(rows))
+        rows += [(s, c, b) for c in range(a, b, 64)]
+    plan = chunk_mod._Plan(bounds, torch.device("cpu"))
+    assert (plan.N, plan.NC) == (len(lengths), len(rows))
+    assert plan.cu.tolist() == bounds
+    assert plan.coff.tolist() == first + [len(rows)]
+    assert plan.chunks.view(-1, 3).tolist() == [list(r) for r in rows]
+
+
+def test_chunk_empty_rows_pass_the_state_through():
+    """B rows of T = 0 tokens: empty output, final state = initial state, gradient passed straight back."""
+    xs, _ = make_inputs(2, 0, 1, 2, 16, 16, dtype=torch.float32, h0=True, seed=5)
+    h0 = xs["initial_state"].clone().requires_grad_()
+    o, ht = chunk_gated_delta_rule_triton(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], 0.25, h0, True, True)
+    assert o.shape == (2, 0, 2, 16)
+    assert torch.equal(ht, h0.detach())
+    dht = torch.randn_like(ht)
+    (ht * dht).sum().backward()
+    assert torch.equal(h0.grad, dht)
 
 
 def test_chunk_only_output_grad():

@@ -500,19 +500,25 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
 
 
 class _Plan:
-    """Sequence and chunk bookkeeping for one call (int32 tables on the inputs' device)."""
+    """Sequence and chunk bookkeeping for one call (int32 tables on the inputs' device).
+
+    Built with tensor operations on the host (no per-sequence or per-chunk Python loop: a packed row of
+    thousands of short sequences gets a new plan every step) and copied to the device in one transfer.
+    """
 
     def __init__(self, bounds: list[int], device: torch.device):
-        counts = [(bounds[i + 1] - bounds[i] + BT - 1) // BT for i in range(len(bounds) - 1)]
-        offsets = [0]
-        rows = []
-        for s, cnt in enumerate(counts):
-            offsets.append(offsets[-1] + cnt)
-            rows.extend((s, bounds[s] + c * BT, bounds[s + 1]) for c in range(cnt))
-        self.N = len(counts)
-        self.NC = len(rows)
-        flat = list(bounds) + offsets + [x for r in (rows or [(0, 0, 0)]) for x in r]
-        table = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
+        b = torch.tensor(bounds, dtype=torch.int64)
+        starts, ends = b[:-1], b[1:]
+        counts = (ends - starts + BT - 1) // BT  # chunks per sequence
+        offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+        self.N = counts.numel()
+        self.NC = int(offsets[-1])
+        seq = torch.repeat_interleave(torch.arange(self.N), counts)  # sequence of every chunk
+        within = torch.arange(self.NC) - offsets[:-1][seq]  # chunk index inside its sequence
+        rows = torch.stack([seq, starts[seq] + within * BT, ends[seq]], 1)  # (sequence, start, end)
+        if not self.NC:
+            rows = rows.new_zeros(1, 3)
+        table = torch.cat([b, offsets, rows.reshape(-1)]).to(torch.int32).to(device, non_blocking=True)
         n1 = len(bounds)
         self.cu = table[:n1]
         self.coff = table[n1:2 * n1]
@@ -524,7 +530,7 @@ _PLANS: dict = {}
 
 def _plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Plan:
     """Chunk tables, cached by sequence layout (they depend on lengths only, never on values)."""
-    bounds = tuple(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_offsets(cu_seqlens)
+    bounds = tuple(n * T for n in range(B + 1)) if cu_seqlens is None else host_offsets(cu_seqlens)
     key = (bounds, str(device))
     plan = _PLANS.get(key)
     if plan is None:

@@ -19,7 +19,7 @@ from deltafuse.models import build_model
 from deltafuse.ops.cross_entropy.naive import naive_linear_cross_entropy
 from deltafuse.ops.moe.naive import naive_moe_experts
 from deltafuse.ops.norm.naive import naive_rms_norm_gated, naive_rms_norm_zero_centered
-from tests.helpers import INTERPRETED
+from tests.helpers import INTERPRETED, gpu, needs_cuda
 from tests.integrations import assert_grads_close, grads
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -38,7 +38,8 @@ def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _step(model, kwargs, dtype):
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+    device = next(model.parameters()).device.type
+    with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
         out = model(**kwargs)
     out.loss.backward()
     return out.loss.detach(), grads(model)
@@ -61,10 +62,23 @@ def spy(monkeypatch):
 @pytest.mark.parametrize("name,dtype", [("tiny", torch.bfloat16), ("tiny-moe", torch.bfloat16),
                                         ("tiny-next", torch.bfloat16), ("tiny-moe", torch.float16)])
 def test_fp32_weights_under_autocast_train_like_stock(name, dtype, spy):
-    model = build_model(name, seed=0, **SMALL).train()
+    _autocast_vs_stock(name, dtype, spy, "cpu")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name,dtype", [("tiny", torch.bfloat16), ("tiny-moe", torch.bfloat16),
+                                        ("tiny-next", torch.bfloat16), ("tiny", torch.float16)])
+def test_gpu_fp32_weights_under_cuda_autocast_train_like_stock(name, dtype, spy):
+    """The same on CUDA, where the Triton kernels serve (stock: transformers' torch code, no FLA)."""
+    _autocast_vs_stock(name, dtype, spy, "cuda")
+
+
+def _autocast_vs_stock(name, dtype, spy, device):
+    model = build_model(name, seed=0, device=device, **SMALL).train()
     assert all(p.dtype == torch.float32 for p in model.parameters())
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 97, (2, 13), generator=gen)
+    ids = torch.randint(0, 97, (2, 13), generator=gen).to(device)
     labels = ids.clone()
     labels[0, :3] = -100
     kwargs = dict(input_ids=ids, labels=labels, use_cache=False)

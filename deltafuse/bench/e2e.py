@@ -233,7 +233,7 @@ def run_e2e(args) -> dict:
     from deltafuse.train.trainer import resolve_defaults
 
     check_args(args)
-    setup.check_model_arg(args.model)
+    setup.check_model_arg(args.model, patched=True)  # the ON run patches it
     resolve_defaults(args)
     if args.data is not None:  # fail here, once, rather than in the first child
         data_mod.load_jsonl(args.data, skip_bad_rows=args.skip_bad_rows)

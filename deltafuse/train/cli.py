@@ -130,7 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    """Train; bad input prints one line naming the argument/file and what is allowed, and returns 2."""
+    """Train; bad input prints one line naming the argument/file and what is allowed, and returns 2.
+
+    Ctrl-C prints one line saying what was kept (see ``trainer.Interrupted``) and returns 130.
+    """
     from deltafuse.config import SettingsError
 
     try:
@@ -140,6 +143,9 @@ def run(args) -> int:
     except (TrainInputError, SettingsError) as exc:
         print(f"deltafuse train: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        print(f"deltafuse train: interrupted{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 
 from deltafuse.train.errors import TrainInputError
@@ -129,6 +131,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prog.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Plain lines on whatever ``sys.stdout`` is at the time (a test's capture included), flushed."""
+
+    def __init__(self):
+        super().__init__(sys.stdout)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+@contextlib.contextmanager
+def _report_on_stdout():
+    """The run's report (logger ``deltafuse.train``) as plain stdout lines while the command runs."""
+    logger = logging.getLogger("deltafuse.train")
+    handler = _StdoutHandler()
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
 def run(args) -> int:
     """Train; bad input prints one line naming the argument/file and what is allowed, and returns 2.
 
@@ -139,7 +174,8 @@ def run(args) -> int:
     try:
         from deltafuse.train.trainer import train
 
-        train(args)
+        with _report_on_stdout():
+            train(args)
     except (TrainInputError, SettingsError) as exc:
         print(f"deltafuse train: error: {exc}", file=sys.stderr)
         return 2

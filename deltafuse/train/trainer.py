@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import platform
 import sys
@@ -33,6 +34,8 @@ from deltafuse.train.outdir import (ARTIFACTS, CHECKPOINT_RE, OutputPlan, checkp
                                     plan_output_dir, prepare_output_dir, read_metrics, replacing)
 
 
+
+log = logging.getLogger(__name__)  # what a run reports; `deltafuse train` prints it on stdout
 
 def is_main_process() -> bool:
     """Rank 0 of a torchrun/accelerate launch, or a plain process."""
@@ -161,10 +164,10 @@ def _make_callback():
                     f" | {tokens / time_s if time_s > 0 else float('nan'):,.0f} tok/s"
                     f" | step {time_s / len(w):.3f} s"
                     f" | peak mem {fmt_bytes(w[-1]['peak_mem_bytes'])}")
-            if self.bar is not None:
+            if self.bar is not None:  # above the bar, which the CLI draws on stderr
                 self.bar.write(line, file=sys.stdout)
             else:
-                print(line, flush=True)
+                log.info(line)
 
         def on_train_end(self, args, state, control, **kw):
             if self.window and state.is_world_process_zero:
@@ -178,7 +181,7 @@ def _make_callback():
 # --- the run -----------------------------------------------------------------------------------------
 def _say(msg: str) -> None:
     if is_main_process():
-        print(msg, flush=True)
+        log.info(msg)
 
 
 def apply_deltafuse(model, enabled: bool, stack: contextlib.ExitStack) -> dict:

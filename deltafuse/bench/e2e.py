@@ -46,6 +46,9 @@ def forward_train_args(args) -> list[str]:
         dest = action.dest
         if not action.option_strings or dest in NOT_FORWARDED or dest == "help" or not hasattr(args, dest):
             continue
+        if dest.startswith("hf:"):  # a transformers TrainingArguments option: [option, raw values...]
+            out += getattr(args, dest)
+            continue
         value = getattr(args, dest)
         flag = action.option_strings[0]
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction)):

@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "GSM8K-style generator")
     g.add_argument("--num-examples", metavar="N", type=_int_at_least(1), default=4000,
                    help="rows of the embedded generator when --data is not given (default: 4000)")
+    g.add_argument("--eval-data", default=None, metavar="JSONL",
+                   help="held-out rows (same format as --data) for evaluation: the eval loss at the end, and "
+                        "during training with --eval_strategy steps --eval_steps N")
     g.add_argument("--skip-bad-rows", action="store_true",
                    help="skip malformed JSONL rows (counted at the end) instead of stopping at the first one")
     g.add_argument("--seq-len", metavar="N", type=_int_at_least(2), default=None,
@@ -129,6 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,
                       help="show a progress bar (default: when stderr is a terminal)")
     prog.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+    from deltafuse.train import hfargs
+
+    hfargs.add_arguments(parser)
 
 
 class _StdoutHandler(logging.StreamHandler):

@@ -82,19 +82,20 @@ def _row_problem(row) -> str | None:
     return f"a row needs 'prompt' and 'completion', or 'messages'; it has keys: {keys}"
 
 
-def load_jsonl(path: str, *, skip_bad_rows: bool = False, stats: DataStats | None = None) -> list[dict]:
-    """The rows of a JSONL file; a bad line raises TrainInputError naming it, unless ``skip_bad_rows``."""
+def load_jsonl(path: str, *, skip_bad_rows: bool = False, stats: DataStats | None = None,
+               flag: str = "--data") -> list[dict]:
+    """The rows of a JSONL file; a bad line raises TrainInputError naming it (as ``flag``), unless ``skip_bad_rows``."""
     stats = stats if stats is not None else DataStats()
     stats.source = path
     if not os.path.exists(path):
-        raise TrainInputError(f"--data {path!r}: no such file")
+        raise TrainInputError(f"{flag} {path!r}: no such file")
     if os.path.isdir(path):
-        raise TrainInputError(f"--data {path!r} is a directory; expected a JSONL file")
+        raise TrainInputError(f"{flag} {path!r} is a directory; expected a JSONL file")
     try:
         with open(path, "rb") as fh:
             raw = fh.read()
     except OSError as exc:
-        raise TrainInputError(f"--data {path!r} cannot be read: {exc.strerror or exc}") from None
+        raise TrainInputError(f"{flag} {path!r} cannot be read: {exc.strerror or exc}") from None
     if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (some editors write one) is not row content
         raw = raw[3:]
     rows = []
@@ -112,7 +113,7 @@ def load_jsonl(path: str, *, skip_bad_rows: bool = False, stats: DataStats | Non
             problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
         if problem is not None:
             if not skip_bad_rows:
-                raise TrainInputError(f"--data {path!r} line {lineno}: {problem}; fix the line or pass "
+                raise TrainInputError(f"{flag} {path!r} line {lineno}: {problem}; fix the line or pass "
                                       "--skip-bad-rows to skip bad rows (they are counted)")
             stats.bad_rows_skipped += 1
             if len(stats.bad_row_lines) < 10:
@@ -121,8 +122,8 @@ def load_jsonl(path: str, *, skip_bad_rows: bool = False, stats: DataStats | Non
         rows.append(row)
     if not rows:
         if stats.rows_read == 0:
-            raise TrainInputError(f"--data {path!r} is empty: no JSONL rows")
-        raise TrainInputError(f"--data {path!r}: all {stats.rows_read} rows are bad (skipped with "
+            raise TrainInputError(f"{flag} {path!r} is empty: no JSONL rows")
+        raise TrainInputError(f"{flag} {path!r}: all {stats.rows_read} rows are bad (skipped with "
                               "--skip-bad-rows); nothing to train on")
     return rows
 

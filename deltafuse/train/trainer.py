@@ -28,7 +28,7 @@ from dataclasses import asdict
 import torch
 
 from deltafuse.train import data as data_mod
-from deltafuse.train import setup
+from deltafuse.train import hfargs, setup
 from deltafuse.train.errors import TrainInputError
 from deltafuse.train.outdir import (ARTIFACTS, CHECKPOINT_RE, OutputPlan, checkpoints,  # noqa: F401 (re-exported)
                                     plan_output_dir, prepare_output_dir, read_metrics, replacing)
@@ -101,6 +101,7 @@ def _make_callback():
             self.bar = None
             self.window: list[dict] = []
             self.records: list[dict] = []
+            self.evals: list[dict] = []
             self._t_step = self._tokens0 = None
             self._pending: dict = {}
 
@@ -153,6 +154,18 @@ def _make_callback():
                 self.bar.set_postfix(loss=f"{rec['loss']:.4f}", refresh=False)
             if rec["step"] % self.log_every == 0 or rec["step"] == self.max_steps:
                 self._print_window()
+
+        def on_evaluate(self, args, state, control, metrics=None, **kw):
+            if not metrics or not state.is_world_process_zero:
+                return
+            rec = {"step": state.global_step, **{k: float(v) for k, v in metrics.items()
+                                                  if isinstance(v, (int, float))}}
+            self.evals.append(rec)
+            line = f"eval at step {rec['step']} | loss {rec.get('eval_loss', float('nan')):.4f}"
+            if self.bar is not None:
+                self.bar.write(line, file=sys.stdout)
+            else:
+                log.info(line)
 
         def _print_window(self):
             w, self.window = self.window, []
@@ -272,8 +285,12 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         stats.rows_read = len(rows)
     else:
         rows = data_mod.load_jsonl(args.data, skip_bad_rows=args.skip_bad_rows, stats=stats)
+    eval_rows = None
+    if args.eval_data is not None:
+        eval_rows = data_mod.load_jsonl(args.eval_data, skip_bad_rows=args.skip_bad_rows, flag="--eval-data")
     device = setup.training_device()
     dtype = setup.resolve_dtype(args.dtype, device)
+    targs = _training_arguments(args, device, dtype, evaluating=eval_rows is not None)
 
     from transformers import set_seed
 
@@ -284,6 +301,11 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     examples = data_mod.encode_rows(tokenizer, rows, args.seq_len, stats, vocab_size=vocab)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     dataset, collator = data_mod.build_dataset(examples, args.seq_len, args.packing, pad_id)
+    eval_dataset = None
+    if eval_rows is not None:
+        eval_stats = data_mod.DataStats(source=args.eval_data)
+        eval_examples = data_mod.encode_rows(tokenizer, eval_rows, args.seq_len, eval_stats, vocab_size=vocab)
+        eval_dataset, _ = data_mod.build_dataset(eval_examples, args.seq_len, args.packing, pad_id)
 
     model.config.use_cache = False
     for key in ("eos_token_id", "pad_token_id"):  # the tokenizer decides; say it to the model's configs
@@ -319,38 +341,33 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
          f"{'bins of <= ' + str(args.seq_len) + ' tokens' if args.packing else 'examples'}, batch size "
          f"{args.batch_size}; {args.max_steps} steps, lr {lr:g}")
 
+    from transformers import PrinterCallback, ProgressCallback, Trainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and "ddp_find_unused_parameters" not in hfargs.trainer_overrides(args):
+        targs.ddp_find_unused_parameters = moe and (full or args.lora_experts)
+    Logger = _make_callback()
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    logger = Logger(device=device, log_every=args.log_every, metrics_path=metrics_path, progress=progress,
+                    max_steps=args.max_steps, history=plan.history)
+    try:
+        trainer = Trainer(model=model, args=targs, train_dataset=dataset, eval_dataset=eval_dataset,
+                          data_collator=collator, processing_class=tokenizer, callbacks=[logger])
+    except ValueError as exc:  # a setting the Trainer cannot run here (e.g. --fsdp without a launcher)
+        given = " ".join(" ".join(v) for v in hfargs.given(args))
+        raise TrainInputError(f"transformers' Trainer refuses this setup{' (' + given + ')' if given else ''}: "
+                              f"{' '.join(str(exc).split())}") from None
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
     # the first write: a previous run that --overwrite replaces is set aside now, deleted once this run has
     # finished, and put back if it fails or is interrupted
-    from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
-
     os.makedirs(args.output_dir, exist_ok=True)
     stack.enter_context(_say_what_was_kept(args.output_dir, bool(plan.replace)))
     stack.enter_context(replacing(args.output_dir, plan.replace))
     if plan.replace:
         _say(f"output: the previous run in {args.output_dir} ({len(plan.replace)} entries) is set aside until "
              "this one finishes")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    targs = TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        learning_rate=lr, lr_scheduler_type=args.lr_scheduler, warmup_steps=args.warmup_steps, weight_decay=0.0,
-        max_grad_norm=args.max_grad_norm, seed=args.seed, data_seed=args.seed,
-        logging_strategy="steps", logging_steps=1, save_strategy="steps",
-        save_steps=args.save_every or args.max_steps, save_total_limit=args.save_total_limit,
-        report_to="none", disable_tqdm=True, log_level="warning", dataloader_num_workers=0,
-        remove_unused_columns=False, include_num_input_tokens_seen="non_padding",
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu=not device.startswith("cuda"),
-        **_checkpointing_args(TrainingArguments, args.gradient_checkpointing),
-        ddp_find_unused_parameters=(moe and (full or args.lora_experts)) if world > 1 else None,
-    )
-    Logger = _make_callback()
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    progress = sys.stderr.isatty() if args.progress is None else args.progress
-    logger = Logger(device=device, log_every=args.log_every, metrics_path=metrics_path, progress=progress,
-                    max_steps=args.max_steps, history=plan.history)
-    trainer = Trainer(model=model, args=targs, train_dataset=dataset, data_collator=collator,
-                      processing_class=tokenizer, callbacks=[logger])
-    trainer.remove_callback(ProgressCallback)
-    trainer.remove_callback(PrinterCallback)
     if targs.process_index == 0:
         with open(os.path.join(args.output_dir, "train_args.json"), "w") as fh:
             json.dump(vars(args), fh, indent=2, default=str)
@@ -362,6 +379,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     result = trainer.train(resume_from_checkpoint=resume_from)
     elapsed = time.perf_counter() - t0
 
+    final_eval = trainer.evaluate() if eval_dataset is not None else None
     final_dir = os.path.join(args.output_dir, "final")
     trainer.save_model(final_dir)
     if trainer.is_world_process_zero():
@@ -378,7 +396,8 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         "total_parameters": total, "data": asdict(stats), "steps_run": len(records),
         "final_loss": records[-1]["loss"] if records else None, "train_runtime_s": elapsed,
         "train_loss": result.training_loss, "peak_mem_bytes": mem, "peak_mem_kind": mem_kind,
-        "resumed_from": resume_from, "final_dir": final_dir,
+        "resumed_from": resume_from, "final_dir": final_dir, "trainer_overrides": hfargs.trainer_overrides(args),
+        "eval": logger.evals, "final_eval": final_eval,
         "checkpoints": [p for _, p in checkpoints(args.output_dir)],
         "stack": stack_info(device), "metrics": metrics_path,
     }
@@ -390,6 +409,38 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         _say(f"done: {len(records)} steps in {elapsed:.1f} s; saved {'model' if full else 'adapter'} to "
              f"{final_dir}; resumable checkpoint {summary['checkpoints'][-1] if summary['checkpoints'] else '-'}")
     return summary
+
+
+def _training_arguments(args, device: str, dtype: torch.dtype, *, evaluating: bool):
+    """deltafuse's TrainingArguments, then the transformers fields given on the command line (checked here,
+    before anything heavy: a bad value or combination is a TrainInputError)."""
+    from transformers import TrainingArguments
+
+    overrides = hfargs.trainer_overrides(args)
+    eval_on = overrides.get("eval_strategy", "no") not in ("no", None) or overrides.get("eval_on_start")
+    if eval_on and not evaluating:
+        shown = (f"--eval_strategy {overrides['eval_strategy']}" if "eval_strategy" in overrides
+                 else "--eval_on_start")
+        raise TrainInputError(f"{shown} needs held-out rows: pass --eval-data JSONL")
+    kwargs = dict(
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        learning_rate=args.lr if args.lr is not None else default_lr(args.model, args.mode == "full"),
+        lr_scheduler_type=args.lr_scheduler, warmup_steps=args.warmup_steps, weight_decay=0.0,
+        max_grad_norm=args.max_grad_norm, seed=args.seed, data_seed=args.seed,
+        logging_strategy="steps", logging_steps=1, save_strategy="steps",
+        save_steps=args.save_every or args.max_steps, save_total_limit=args.save_total_limit,
+        report_to="none", disable_tqdm=True, log_level="warning", dataloader_num_workers=0,
+        remove_unused_columns=False, include_num_input_tokens_seen="non_padding", prediction_loss_only=True,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu=not device.startswith("cuda"),
+        **_checkpointing_args(TrainingArguments, args.gradient_checkpointing),
+    )
+    kwargs.update(overrides)
+    try:
+        return TrainingArguments(**kwargs)
+    except (ValueError, TypeError, ImportError) as exc:
+        given = " ".join(" ".join(v) for v in hfargs.given(args))
+        raise TrainInputError(f"transformers refuses these training arguments ({given or 'defaults'}): "
+                              f"{' '.join(str(exc).split())}") from None
 
 
 def _checkpointing_args(targs_cls, enabled: bool) -> dict:

@@ -46,6 +46,9 @@ def forward_train_args(args) -> list[str]:
         dest = action.dest
         if not action.option_strings or dest in NOT_FORWARDED or dest == "help" or not hasattr(args, dest):
             continue
+        if dest.startswith("hf:"):  # a transformers TrainingArguments option: [option, raw values...]
+            out += getattr(args, dest)
+            continue
         value = getattr(args, dest)
         flag = action.option_strings[0]
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction)):
@@ -233,7 +236,7 @@ def run_e2e(args) -> dict:
     from deltafuse.train.trainer import resolve_defaults
 
     check_args(args)
-    setup.check_model_arg(args.model)
+    setup.check_model_arg(args.model, patched=True)  # the ON run patches it
     resolve_defaults(args)
     if args.data is not None:  # fail here, once, rather than in the first child
         data_mod.load_jsonl(args.data, skip_bad_rows=args.skip_bad_rows)

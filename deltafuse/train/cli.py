@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 
 from deltafuse.train.errors import TrainInputError
@@ -65,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "GSM8K-style generator")
     g.add_argument("--num-examples", metavar="N", type=_int_at_least(1), default=4000,
                    help="rows of the embedded generator when --data is not given (default: 4000)")
+    g.add_argument("--eval-data", default=None, metavar="JSONL",
+                   help="held-out rows (same format as --data) for evaluation: the eval loss at the end, and "
+                        "during training with --eval_strategy steps --eval_steps N")
     g.add_argument("--skip-bad-rows", action="store_true",
                    help="skip malformed JSONL rows (counted at the end) instead of stopping at the first one")
     g.add_argument("--seq-len", metavar="N", type=_int_at_least(2), default=None,
@@ -128,18 +133,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="show a progress bar (default: when stderr is a terminal)")
     prog.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
+    from deltafuse.train import hfargs
+
+    hfargs.add_arguments(parser)
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Plain lines on whatever ``sys.stdout`` is at the time (a test's capture included), flushed."""
+
+    def __init__(self):
+        super().__init__(sys.stdout)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+@contextlib.contextmanager
+def _report_on_stdout():
+    """The run's report (logger ``deltafuse.train``) as plain stdout lines while the command runs."""
+    logger = logging.getLogger("deltafuse.train")
+    handler = _StdoutHandler()
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
 
 def run(args) -> int:
-    """Train; bad input prints one line naming the argument/file and what is allowed, and returns 2."""
+    """Train; bad input prints one line naming the argument/file and what is allowed, and returns 2.
+
+    Ctrl-C prints one line saying what was kept (see ``trainer.Interrupted``) and returns 130.
+    """
     from deltafuse.config import SettingsError
 
     try:
         from deltafuse.train.trainer import train
 
-        train(args)
+        with _report_on_stdout():
+            train(args)
     except (TrainInputError, SettingsError) as exc:
         print(f"deltafuse train: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        print(f"deltafuse train: interrupted{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -35,8 +36,22 @@ def is_named(model: str) -> bool:
     return model in NAMED_MODELS
 
 
-def check_model_arg(model: str) -> None:
-    """Fail early, before anything heavy, on an unknown name or an incomplete local directory."""
+def supported_model_types() -> list[str]:
+    """The config ``model_type`` values of the causal LMs deltafuse patches, in the installed transformers."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+
+    from deltafuse.integrations.transformers import PATCHER
+
+    packages = {m.module.rsplit(".", 1)[0].rsplit(".", 1)[-1] for m in PATCHER.maps}
+    return sorted(t for t in CONFIG_MAPPING_NAMES
+                  if model_type_to_module_name(t) in packages and not t.endswith("_vision"))
+
+
+def check_model_arg(model: str, *, patched: bool = False) -> None:
+    """Fail early, before anything heavy, on an unknown name or an incomplete local directory.
+
+    With ``patched`` (deltafuse will patch the model) a local directory must also be of a supported family.
+    """
     from deltafuse.models import NAMED_MODELS
 
     if model in NAMED_MODELS and not os.path.isdir(model):
@@ -60,6 +75,28 @@ def check_model_arg(model: str) -> None:
     if not any(f in files for f in TOKENIZER_FILES):
         raise TrainInputError(f"--model {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                               "save the tokenizer next to the weights")
+    config_path = os.path.join(model, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TrainInputError(f"--model {model!r}: {config_path} cannot be read as JSON ({exc})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        raise TrainInputError(f"--model {model!r}: {config_path} has no model_type; save the model with "
+                              "transformers' save_pretrained")
+    from deltafuse.train.outdir import _weights_problem
+
+    weights = sorted(f for f in files if f.endswith(".safetensors") or f == "model.safetensors.index.json")
+    problem = _weights_problem(model, weights)
+    if problem:
+        raise TrainInputError(f"--model {model!r}: {problem}")
+    if patched:
+        supported = supported_model_types()
+        if model_type not in supported:
+            raise TrainInputError(f"--model {model!r} is a {model_type!r} model, a family deltafuse does not patch; "
+                                  f"supported model types: {', '.join(supported)}; pass --no-deltafuse to train "
+                                  "it with stock transformers")
 
 
 def load_model_and_tokenizer(model: str, *, dtype: torch.dtype, device: str, seed: int,

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import platform
-import re
-import shutil
 import sys
 import time
 import warnings
@@ -29,60 +28,18 @@ from dataclasses import asdict
 import torch
 
 from deltafuse.train import data as data_mod
-from deltafuse.train import setup
+from deltafuse.train import hfargs, setup
 from deltafuse.train.errors import TrainInputError
+from deltafuse.train.outdir import (ARTIFACTS, CHECKPOINT_RE, OutputPlan, checkpoints,  # noqa: F401 (re-exported)
+                                    plan_output_dir, prepare_output_dir, read_metrics, replacing)
 
-ARTIFACTS = ("final", "metrics.jsonl", "summary.json", "train_args.json")
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-# --- output directory --------------------------------------------------------------------------------
-def checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        m = CHECKPOINT_RE.match(name)
-        if m and os.path.isfile(os.path.join(output_dir, name, "trainer_state.json")):
-            found.append((int(m.group(1)), os.path.join(output_dir, name)))
-    return sorted(found)
-
+log = logging.getLogger(__name__)  # what a run reports; `deltafuse train` prints it on stdout
 
 def is_main_process() -> bool:
     """Rank 0 of a torchrun/accelerate launch, or a plain process."""
     return int(os.environ.get("RANK", "0")) == 0
-
-
-def prepare_output_dir(output_dir: str, *, overwrite: bool, resume: str | None, main: bool = True) -> str | None:
-    """Check the output directory against --overwrite/--resume; returns the checkpoint to resume from.
-
-    Only the main process checks emptiness and deletes (other ranks would race with what it writes).
-    """
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise TrainInputError(f"--output-dir {output_dir!r} is a file; pass a directory")
-    if resume is not None:
-        if overwrite:
-            raise TrainInputError("--resume and --overwrite contradict each other: resuming keeps the previous "
-                                  "run, overwriting deletes it; pass one of them")
-        if resume != "latest":
-            if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
-                raise TrainInputError(f"--resume {resume!r} is not a checkpoint directory (no trainer_state.json); "
-                                      f"checkpoints are the checkpoint-N folders inside --output-dir")
-            return resume
-        found = checkpoints(output_dir)
-        if not found:
-            raise TrainInputError(f"--resume: --output-dir {output_dir!r} has no checkpoint-N folder to resume "
-                                  "from; start a new run without --resume")
-        return found[-1][1]
-    if main and os.path.isdir(output_dir) and os.listdir(output_dir):
-        if not overwrite:
-            raise TrainInputError(f"--output-dir {output_dir!r} exists and is not empty; pass --overwrite to "
-                                  "replace its previous run, --resume to continue it, or choose another directory")
-        for name in os.listdir(output_dir):
-            path = os.path.join(output_dir, name)
-            if CHECKPOINT_RE.match(name) or name in ARTIFACTS:
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    return None
 
 
 # --- measurements ------------------------------------------------------------------------------------
@@ -136,12 +93,15 @@ def _make_callback():
     class StepLogger(TrainerCallback):
         """Per-step record (loss, grad norm, tokens, step time, peak memory), progress bar, a line every N steps."""
 
-        def __init__(self, *, device: str, log_every: int, metrics_path: str, progress: bool, max_steps: int):
+        def __init__(self, *, device: str, log_every: int, metrics_path: str, progress: bool, max_steps: int,
+                     history: list[dict] = ()):
             self.device, self.log_every, self.metrics_path = device, log_every, metrics_path
+            self.history = list(history)  # the records of the resumed run up to its checkpoint
             self.progress, self.max_steps = progress, max_steps
             self.bar = None
             self.window: list[dict] = []
             self.records: list[dict] = []
+            self.evals: list[dict] = []
             self._t_step = self._tokens0 = None
             self._pending: dict = {}
 
@@ -153,6 +113,9 @@ def _make_callback():
             if self.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats(torch.device(self.device))
             self.t0 = time.perf_counter()
+            if state.is_world_process_zero:  # here, once the checkpoint (if any) has loaded: start the file
+                with open(self.metrics_path, "w") as fh:
+                    fh.writelines(json.dumps(r) + "\n" for r in self.history)
             if self.progress and state.is_world_process_zero:
                 from tqdm.auto import tqdm
 
@@ -192,6 +155,18 @@ def _make_callback():
             if rec["step"] % self.log_every == 0 or rec["step"] == self.max_steps:
                 self._print_window()
 
+        def on_evaluate(self, args, state, control, metrics=None, **kw):
+            if not metrics or not state.is_world_process_zero:
+                return
+            rec = {"step": state.global_step, **{k: float(v) for k, v in metrics.items()
+                                                  if isinstance(v, (int, float))}}
+            self.evals.append(rec)
+            line = f"eval at step {rec['step']} | loss {rec.get('eval_loss', float('nan')):.4f}"
+            if self.bar is not None:
+                self.bar.write(line, file=sys.stdout)
+            else:
+                log.info(line)
+
         def _print_window(self):
             w, self.window = self.window, []
             time_s = sum(r["step_time_s"] for r in w)
@@ -202,10 +177,10 @@ def _make_callback():
                     f" | {tokens / time_s if time_s > 0 else float('nan'):,.0f} tok/s"
                     f" | step {time_s / len(w):.3f} s"
                     f" | peak mem {fmt_bytes(w[-1]['peak_mem_bytes'])}")
-            if self.bar is not None:
+            if self.bar is not None:  # above the bar, which the CLI draws on stderr
                 self.bar.write(line, file=sys.stdout)
             else:
-                print(line, flush=True)
+                log.info(line)
 
         def on_train_end(self, args, state, control, **kw):
             if self.window and state.is_world_process_zero:
@@ -219,7 +194,7 @@ def _make_callback():
 # --- the run -----------------------------------------------------------------------------------------
 def _say(msg: str) -> None:
     if is_main_process():
-        print(msg, flush=True)
+        log.info(msg)
 
 
 def apply_deltafuse(model, enabled: bool, stack: contextlib.ExitStack) -> dict:
@@ -227,8 +202,13 @@ def apply_deltafuse(model, enabled: bool, stack: contextlib.ExitStack) -> dict:
     if not enabled:
         return {"enabled": False}
     import deltafuse
+    from deltafuse.patching import UnsupportedModelError
 
-    report = stack.enter_context(deltafuse.patched(model))
+    try:
+        report = stack.enter_context(deltafuse.patched(model))
+    except UnsupportedModelError as exc:
+        raise TrainInputError(f"deltafuse cannot patch this model ({type(model).__name__}): it is not of a "
+                              "supported family; pass --no-deltafuse to train it with stock transformers") from exc
     out = report.to_dict() if hasattr(report, "to_dict") else {"enabled": True}
     out["text"] = str(report)
     out["applied_rows"] = len(getattr(report, "applied", [])) + len(getattr(report, "already_applied", []))
@@ -260,24 +240,42 @@ def train(args) -> dict:
         return _train(args, stack)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; the message says what was kept."""
+
+
+@contextlib.contextmanager
+def _say_what_was_kept(output_dir: str, replacing_a_run: bool):
+    """Turn Ctrl-C into ``Interrupted`` saying what --output-dir holds now (entered before ``replacing``)."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Interrupted):
+            raise
+        if replacing_a_run:
+            kept = f"the previous run in {output_dir!r} is restored as it was; this run's partial output was removed"
+        else:
+            found = checkpoints(output_dir)
+            kept = (f"checkpoints so far are in {output_dir!r} (latest {found[-1][1]}); --resume continues"
+                    if found else f"no checkpoint was saved in {output_dir!r}")
+        raise Interrupted(kept) from exc
+
+
 def _train(args, stack: contextlib.ExitStack) -> dict:
     from deltafuse.config import load_settings
 
+    # every check first: nothing heavy is built and nothing is written or moved before they all pass
     resolve_defaults(args)
     main = is_main_process()
-    resume_from = prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume, main=main)
-    setup.check_model_arg(args.model)
-    device = setup.training_device()
-    dtype = setup.resolve_dtype(args.dtype, device)
     env_patch = load_settings().patch
     if args.deltafuse and not env_patch:
         raise TrainInputError("--deltafuse contradicts DELTAFUSE_PATCH (or TWINKLE_NPU_PATCH) set to off in the "
                               "environment; unset it or pass --no-deltafuse")
     enabled = env_patch if args.deltafuse is None else args.deltafuse
-
-    if resume_from is not None:
-        _check_resume_compatible(args, resume_from)
-    # data first: bad input fails before the model is built
+    plan = plan_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume, mode=args.mode, main=main)
+    setup.check_model_arg(args.model, patched=enabled)
+    if plan.resume_from is not None:
+        _check_resume_compatible(args, plan)
     stats = data_mod.DataStats()
     if args.data is None:
         from deltafuse.train import gsm
@@ -287,8 +285,14 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         stats.rows_read = len(rows)
     else:
         rows = data_mod.load_jsonl(args.data, skip_bad_rows=args.skip_bad_rows, stats=stats)
+    eval_rows = None
+    if args.eval_data is not None:
+        eval_rows = data_mod.load_jsonl(args.eval_data, skip_bad_rows=args.skip_bad_rows, flag="--eval-data")
+    device = setup.training_device()
+    dtype = setup.resolve_dtype(args.dtype, device)
+    targs = _training_arguments(args, device, dtype, evaluating=eval_rows is not None)
 
-    from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments, set_seed
+    from transformers import set_seed
 
     set_seed(args.seed)
     model, tokenizer, described = setup.load_model_and_tokenizer(
@@ -297,6 +301,11 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     examples = data_mod.encode_rows(tokenizer, rows, args.seq_len, stats, vocab_size=vocab)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     dataset, collator = data_mod.build_dataset(examples, args.seq_len, args.packing, pad_id)
+    eval_dataset = None
+    if eval_rows is not None:
+        eval_stats = data_mod.DataStats(source=args.eval_data)
+        eval_examples = data_mod.encode_rows(tokenizer, eval_rows, args.seq_len, eval_stats, vocab_size=vocab)
+        eval_dataset, _ = data_mod.build_dataset(eval_examples, args.seq_len, args.packing, pad_id)
 
     model.config.use_cache = False
     for key in ("eos_token_id", "pad_token_id"):  # the tokenizer decides; say it to the model's configs
@@ -308,6 +317,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     patch_info = apply_deltafuse(model, enabled, stack)
     moe = bool(setup.expert_parameters(model))  # before PEFT renames the expert parameters
     full = args.mode == "full"
+    targets = None
     if not full:
         targets = setup.lora_targets(model, args.lora_targets, args.lora_mlp)
         set_seed(args.seed)
@@ -331,47 +341,50 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
          f"{'bins of <= ' + str(args.seq_len) + ' tokens' if args.packing else 'examples'}, batch size "
          f"{args.batch_size}; {args.max_steps} steps, lr {lr:g}")
 
-    os.makedirs(args.output_dir, exist_ok=True)
+    from transformers import PrinterCallback, ProgressCallback, Trainer
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    targs = TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        learning_rate=lr, lr_scheduler_type=args.lr_scheduler, warmup_steps=args.warmup_steps, weight_decay=0.0,
-        max_grad_norm=args.max_grad_norm, seed=args.seed, data_seed=args.seed,
-        logging_strategy="steps", logging_steps=1, save_strategy="steps",
-        save_steps=args.save_every or args.max_steps, save_total_limit=args.save_total_limit,
-        report_to="none", disable_tqdm=True, log_level="warning", dataloader_num_workers=0,
-        remove_unused_columns=False, include_num_input_tokens_seen="non_padding",
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu=not device.startswith("cuda"),
-        **_checkpointing_args(TrainingArguments, args.gradient_checkpointing),
-        ddp_find_unused_parameters=(moe and (full or args.lora_experts)) if world > 1 else None,
-    )
+    if world > 1 and "ddp_find_unused_parameters" not in hfargs.trainer_overrides(args):
+        targs.ddp_find_unused_parameters = moe and (full or args.lora_experts)
     Logger = _make_callback()
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if main and resume_from is None and os.path.exists(metrics_path):
-        os.remove(metrics_path)
-    elif main and resume_from is not None:
-        _truncate_metrics(metrics_path, _checkpoint_step(resume_from))
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     logger = Logger(device=device, log_every=args.log_every, metrics_path=metrics_path, progress=progress,
-                    max_steps=args.max_steps)
-    trainer = Trainer(model=model, args=targs, train_dataset=dataset, data_collator=collator,
-                      processing_class=tokenizer, callbacks=[logger])
+                    max_steps=args.max_steps, history=plan.history)
+    try:
+        trainer = Trainer(model=model, args=targs, train_dataset=dataset, eval_dataset=eval_dataset,
+                          data_collator=collator, processing_class=tokenizer, callbacks=[logger])
+    except ValueError as exc:  # a setting the Trainer cannot run here (e.g. --fsdp without a launcher)
+        given = " ".join(" ".join(v) for v in hfargs.given(args))
+        raise TrainInputError(f"transformers' Trainer refuses this setup{' (' + given + ')' if given else ''}: "
+                              f"{' '.join(str(exc).split())}") from None
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
+    # the first write: a previous run that --overwrite replaces is set aside now, deleted once this run has
+    # finished, and put back if it fails or is interrupted
+    os.makedirs(args.output_dir, exist_ok=True)
+    stack.enter_context(_say_what_was_kept(args.output_dir, bool(plan.replace)))
+    stack.enter_context(replacing(args.output_dir, plan.replace))
+    if plan.replace:
+        _say(f"output: the previous run in {args.output_dir} ({len(plan.replace)} entries) is set aside until "
+             "this one finishes")
     if targs.process_index == 0:
         with open(os.path.join(args.output_dir, "train_args.json"), "w") as fh:
             json.dump(vars(args), fh, indent=2, default=str)
+    resume_from = plan.resume_from
     if resume_from is not None:
-        _say(f"resuming from {resume_from}")
+        _say(f"resuming from {resume_from}" + ("" if plan.in_place else f" (history: {len(plan.history)} step "
+                                                                          f"records of {plan.source_run})"))
     t0 = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume_from)
     elapsed = time.perf_counter() - t0
 
+    final_eval = trainer.evaluate() if eval_dataset is not None else None
     final_dir = os.path.join(args.output_dir, "final")
     trainer.save_model(final_dir)
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(final_dir)
-    records = _read_metrics(metrics_path)
+    records = read_metrics(metrics_path)
     mem, mem_kind = peak_memory(device)
     summary = {
         "model": args.model, "model_description": described, "mode": args.mode,
@@ -383,7 +396,8 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         "total_parameters": total, "data": asdict(stats), "steps_run": len(records),
         "final_loss": records[-1]["loss"] if records else None, "train_runtime_s": elapsed,
         "train_loss": result.training_loss, "peak_mem_bytes": mem, "peak_mem_kind": mem_kind,
-        "resumed_from": resume_from, "final_dir": final_dir,
+        "resumed_from": resume_from, "final_dir": final_dir, "trainer_overrides": hfargs.trainer_overrides(args),
+        "eval": logger.evals, "final_eval": final_eval,
         "checkpoints": [p for _, p in checkpoints(args.output_dir)],
         "stack": stack_info(device), "metrics": metrics_path,
     }
@@ -397,6 +411,38 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     return summary
 
 
+def _training_arguments(args, device: str, dtype: torch.dtype, *, evaluating: bool):
+    """deltafuse's TrainingArguments, then the transformers fields given on the command line (checked here,
+    before anything heavy: a bad value or combination is a TrainInputError)."""
+    from transformers import TrainingArguments
+
+    overrides = hfargs.trainer_overrides(args)
+    eval_on = overrides.get("eval_strategy", "no") not in ("no", None) or overrides.get("eval_on_start")
+    if eval_on and not evaluating:
+        shown = (f"--eval_strategy {overrides['eval_strategy']}" if "eval_strategy" in overrides
+                 else "--eval_on_start")
+        raise TrainInputError(f"{shown} needs held-out rows: pass --eval-data JSONL")
+    kwargs = dict(
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        learning_rate=args.lr if args.lr is not None else default_lr(args.model, args.mode == "full"),
+        lr_scheduler_type=args.lr_scheduler, warmup_steps=args.warmup_steps, weight_decay=0.0,
+        max_grad_norm=args.max_grad_norm, seed=args.seed, data_seed=args.seed,
+        logging_strategy="steps", logging_steps=1, save_strategy="steps",
+        save_steps=args.save_every or args.max_steps, save_total_limit=args.save_total_limit,
+        report_to="none", disable_tqdm=True, log_level="warning", dataloader_num_workers=0,
+        remove_unused_columns=False, include_num_input_tokens_seen="non_padding", prediction_loss_only=True,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu=not device.startswith("cuda"),
+        **_checkpointing_args(TrainingArguments, args.gradient_checkpointing),
+    )
+    kwargs.update(overrides)
+    try:
+        return TrainingArguments(**kwargs)
+    except (ValueError, TypeError, ImportError) as exc:
+        given = " ".join(" ".join(v) for v in hfargs.given(args))
+        raise TrainInputError(f"transformers refuses these training arguments ({given or 'defaults'}): "
+                              f"{' '.join(str(exc).split())}") from None
+
+
 def _checkpointing_args(targs_cls, enabled: bool) -> dict:
     """Activation checkpointing arguments under the name this transformers version uses."""
     import dataclasses
@@ -408,38 +454,25 @@ def _checkpointing_args(targs_cls, enabled: bool) -> dict:
     return {"gradient_checkpointing": enabled, "gradient_checkpointing_kwargs": kwargs}
 
 
-def _checkpoint_step(path: str) -> int:
-    with open(os.path.join(path, "trainer_state.json")) as fh:
-        return int(json.load(fh).get("global_step", 0))
-
-
-def _check_resume_compatible(args, checkpoint: str) -> None:
-    step = _checkpoint_step(checkpoint)
+def _check_resume_compatible(args, plan: OutputPlan) -> None:
+    """The checkpoint is below --max-steps and its run was trained with the settings this run asks for."""
+    step, checkpoint = plan.resume_step, plan.resume_from
     if step >= args.max_steps:
         raise TrainInputError(f"--resume: {checkpoint!r} is at step {step}, which is not below --max-steps "
                               f"{args.max_steps}; raise --max-steps to train further")
-    saved_path = os.path.join(args.output_dir, "train_args.json")
+    saved_path = os.path.join(plan.source_run, "train_args.json")
     if not os.path.isfile(saved_path):
         return
-    with open(saved_path) as fh:
-        saved = json.load(fh)
+    try:
+        with open(saved_path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise TrainInputError(f"--resume {checkpoint!r}: {saved_path} (the settings of its run) cannot be read "
+                              f"({exc}); the run directory is damaged") from None
     for key in ("model", "mode", "lora_r", "lora_targets", "lora_mlp", "lora_experts"):
         if key in saved and str(saved[key]) != str(getattr(args, key, None)):
             flag = "--" + key.replace("_", "-")
             raise TrainInputError(f"--resume: the checkpoint was trained with {flag} {saved[key]!r}, this run asks "
                                   f"for {getattr(args, key, None)!r}; resume with the same setting")
-
-
-def _read_metrics(path: str) -> list[dict]:
-    if not os.path.isfile(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def _truncate_metrics(path: str, step: int) -> None:
-    """Keep the per-step records up to the checkpoint being resumed (later ones are trained again)."""
-    records = [r for r in _read_metrics(path) if r["step"] <= step]
-    with open(path, "w") as fh:
-        for r in records:
-            fh.write(json.dumps(r) + "\n")

@@ -133,3 +133,23 @@ def test_accelerate_launch_with_two_cpu_processes(tmp_path):
     s = summary(out)
     assert s["world_size"] == 2 and s["wrapped_model"] == "DistributedDataParallel"
     assert len(records(out)) == 2
+
+
+def test_library_call_reports_through_logging_not_stdout(tmp_path, capsys, caplog):
+    import argparse
+    import logging
+
+    from deltafuse.train.cli import add_arguments
+    from deltafuse.train.trainer import train
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--max-steps", "2", "--log-every", "1", "--seq-len", "128", "--num-examples", "10",
+                              "--output-dir", str(tmp_path / "lib"), "--no-progress", "--no-deltafuse"])
+    with caplog.at_level(logging.INFO, logger="deltafuse.train"):
+        s = train(args)
+    assert capsys.readouterr().out == ""
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "deltafuse.train.trainer")
+    assert [m.group(1) for m in LINE.finditer(text)] == ["1", "2"], text
+    assert "deltafuse: OFF (stock transformers)" in text and "done: 2 steps" in text
+    assert s["steps_run"] == 2

@@ -103,19 +103,31 @@ def liger_fused_linear_cross_entropy(ignore_index: int = -100):
 TRL_SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
+def trl_token_logprobs(outputs: tuple[str, ...] = TRL_SFT_OUTPUTS):
+    """fn(hidden [N, H], weight [V, H], targets [N]) -> (log_probs, entropy) from TRL's ``ChunkedLogProbFunction``
+    (entropy None unless asked for), with the vocabulary tile width TRL's fused head uses."""
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    def apply(hidden, weight, targets):
+        out = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None,
+                                           1.0, outputs)
+        return out[0], out[1]
+
+    return apply
+
+
 def trl_chunked_logprob_loss(outputs: tuple[str, ...] = TRL_SFT_OUTPUTS, ignore_index: int = -100):
     """fn(hidden [..., T, H], weight [V, H], labels [..., T]) -> mean loss, the way TRL's ``add_fused_lm_head``
     computes it: positions whose shifted label is counted are gathered, ``ChunkedLogProbFunction`` gives their
     log-probabilities (and the ``outputs`` fields), the loss is their negated mean."""
-    from trl.kernels import ChunkedLogProbFunction
-    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+    per_token = trl_token_logprobs(outputs)
 
     def apply(hidden, weight, labels):
         h = hidden[..., :-1, :].reshape(-1, hidden.shape[-1])
         y = labels[..., 1:].reshape(-1)
         mask = y != ignore_index
-        log_probs = ChunkedLogProbFunction.apply(h[mask], weight, None, y[mask], 1.0,
-                                                 _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, outputs)[0]
+        log_probs = per_token(h[mask], weight, y[mask])[0]
         return -log_probs.sum() / mask.sum().clamp(min=1)
 
     return apply

@@ -10,6 +10,8 @@ causal-conv1d (on CUDA, when installed) where they have a kernel for the op:
 * ``apply_rotary_pos_emb``: the modeling module's ``apply_rotary_pos_emb`` (partial RoPE).
 * ``swiglu``: the MLP's ``act_fn(gate) * up``.
 * ``fused_linear_cross_entropy``: ``lm_head`` (``F.linear``) then transformers' ``ForCausalLMLoss``.
+* ``token_logprobs``: full logits (``F.linear``), ``log_softmax`` gathered at the targets and the entropy (what
+  a trainer computes without a fused head), and TRL's ``ChunkedLogProbFunction`` when ``trl`` imports.
 * ``moe_experts``: ``Qwen3_5MoeExperts`` with the ``grouped_mm`` and the eager experts forward.
 
 These run at ``Sizes`` (``deltafuse/bench/cases.py``): Qwen3.5-35B-A3B at ``--tokens`` tokens on CUDA, a small
@@ -114,6 +116,7 @@ SIZED_DIMS = {
     "apply_rotary_pos_emb": "B,HQ,HK,T,D,rotary_dim",
     "swiglu": "N,I",
     "fused_linear_cross_entropy": "B,T,H,V",
+    "token_logprobs": "N,H,V",
     "moe_experts": "N,H,E,k,I",
 }
 
@@ -126,6 +129,7 @@ def sized_shape(op: str, s: Sizes) -> list[int]:
             "apply_rotary_pos_emb": [1, s.q_heads, s.kv_heads, N, s.head_dim, s.rotary_dim],
             "swiglu": [N, s.shared_expert_intermediate],
             "fused_linear_cross_entropy": [1, N, s.hidden, s.vocab],
+            "token_logprobs": [N, s.hidden, s.vocab],
             "moe_experts": [N, s.hidden, s.num_experts, s.experts_per_token, s.moe_intermediate]}[op]
 
 
@@ -154,6 +158,9 @@ def make_sized_inputs(op: str, s: Sizes, dtype, device, seed: int = 0) -> dict:
         labels[:, ::13] = -100
         return {"hidden": rnd(1, N, s.hidden), "weight": rnd(s.vocab, s.hidden, scale=s.hidden ** -0.5),
                 "labels": labels}
+    if op == "token_logprobs":  # the counted positions a fused LM head scores (TRL gathers them first)
+        return {"hidden": rnd(N, s.hidden), "weight": rnd(s.vocab, s.hidden, scale=s.hidden ** -0.5),
+                "targets": torch.randint(0, s.vocab, (N,), generator=gen, device=device)}
     if op == "moe_experts":  # router output of a softmax top-k router, renormalised, in the model dtype
         probs = torch.randn(N, s.num_experts, generator=gen, device=device).softmax(-1)
         top_w, top_i = probs.topk(s.experts_per_token, dim=-1)
@@ -348,6 +355,19 @@ def sized_implementations(op: str, s: Sizes, device: torch.device) -> list[tuple
             lce, why = _liger(cases.liger_fused_linear_cross_entropy)
             impls.append(("liger LigerFusedLinearCrossEntropyLoss",
                           lce and (lambda t: lce(t["hidden"], t["weight"], t["labels"])), why))
+    elif op == "token_logprobs":  # log-probs and entropy (is_top1 too, as TRL's SFT asks; not differentiable)
+        fields = ("log_probs", "entropy", "is_top1")
+        impls.append(("deltafuse", lambda t: tuple(dops.token_logprobs(t["hidden"], t["weight"], t["targets"],
+                                                                       outputs=fields)[:2]), ""))
+
+        def full_logits(t):
+            logp = torch.nn.functional.linear(t["hidden"], t["weight"]).float().log_softmax(-1)
+            return logp.gather(-1, t["targets"][:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+        impls.append(("full logits + log_softmax", full_logits, ""))
+        if probes.import_error("trl") is None:
+            trl = cases.trl_token_logprobs(fields)
+            impls.append(("trl ChunkedLogProbFunction", lambda t: trl(t["hidden"], t["weight"], t["targets"]), ""))
     elif op == "moe_experts":
         from transformers.integrations.moe import grouped_mm_experts_forward
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe

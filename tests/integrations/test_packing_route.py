@@ -183,6 +183,19 @@ def test_op_and_layer_batch_must_agree(wrapped):
         adapters._OP_PACKING.reset(token)
 
 
+def test_checkpointing_forward_of_newer_transformers_is_not_wrapped():
+    """Newer transformers check ``type(self).forward is forward_with_checkpointing``: a wrapper would silently
+    turn gradient checkpointing off, so the decoder-layer row refuses such a forward."""
+
+    def forward_with_checkpointing(self, *args, **kwargs):
+        return None
+
+    with pytest.raises(RuntimeError, match="checkpointing forward, which must stay the class attribute"):
+        adapters.wrap_decoder_layer_forward(forward_with_checkpointing)
+    # that every patched decoder layer is still recomputed in backward, on each transformers, is asserted by
+    # test_packed.py::test_packed_with_gradient_checkpointing (the GDN ops run again with the same boundaries)
+
+
 # --- MoE experts output ------------------------------------------------------------------------------------
 def test_moe_experts_output_may_be_modified_in_place():
     """transformers 5.2's sparse MoE block does ``expert_output += shared_expert_output``: the experts output

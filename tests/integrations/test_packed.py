@@ -122,6 +122,98 @@ def test_packed_other_families(name):
     assert_grads_close(got, ref_grads)
 
 
+# --- which position_ids and masks mark boundaries ----------------------------------------------------------
+MRope = ("tiny", "tiny-moe")  # the Qwen3.5 families read [3|4, B, T] position_ids; Qwen3-Next reads [B, T]
+LAYOUTS = [(m, "all-ones-mask") for m in ("tiny", "tiny-moe", "tiny-next")] + \
+    [(m, layout) for m in MRope for layout in ("rows3", "rows4", "rows3+all-ones-mask")]
+
+
+def _layout_kwargs(layout, ids, pos):
+    kwargs = {"input_ids": ids}
+    if layout.startswith("rows3"):
+        kwargs["position_ids"] = pos[None].expand(3, -1, -1)
+    elif layout == "rows4":
+        # text positions first; the RoPE rows of a text batch equal them
+        kwargs["position_ids"] = pos[None].expand(4, -1, -1)
+    else:
+        kwargs["position_ids"] = pos
+    if layout.endswith("all-ones-mask"):
+        kwargs["attention_mask"] = torch.ones_like(ids)
+    return kwargs
+
+
+@pytest.mark.parametrize("name,layout", LAYOUTS, ids=[f"{m}-{lay}" for m, lay in LAYOUTS])
+def test_restarting_positions_mark_boundaries(name, layout):
+    """Restarting position_ids separate sequences with an all-ones 2-D mask too, and as [3, B, T] (equal rows)
+    or [4, B, T] (text row first): logits, loss and every gradient equal the per-sequence stock runs, in the
+    GDN/conv layers and the full-attention layers alike, while stock on the same batch mixes the sequences."""
+    model = build_model(name, seed=21).train()
+    rows = _rows([[10, 1, 15], [19, 7]], model.config.vocab_size, seed=22)
+    ids, pos, labels, _, _ = packed_inputs(rows)
+    kwargs = _layout_kwargs(layout, ids, pos)
+    model.zero_grad(set_to_none=True)
+    ref_loss, ref_logits = per_sequence_stock(model, rows)
+    ref_grads = grads(model)
+    with torch.no_grad():
+        stock = model(**kwargs, use_cache=False).logits
+    assert rel_max(stock, ref_logits) > 1e-3, "stock mixes these sequences: the comparison below can fail"
+    model.zero_grad(set_to_none=True)
+    with patching.patched(model):
+        out = model(**kwargs, labels=labels)
+        out.loss.backward()
+        logits = _logits(model, out, kwargs)
+    assert rel_max(logits, ref_logits) < RTOL
+    assert abs(out.loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
+    assert_grads_close(grads(model), ref_grads)
+
+
+def test_full_attention_alone_is_block_causal():
+    """A model of full-attention layers only (no GDN layer to separate anything): with the all-ones mask
+    dropped and equal [3, B, T] rows passed as one row, transformers builds its block-causal mask, so the
+    logits are the per-sequence ones."""
+    model = build_model("tiny", seed=23, num_hidden_layers=2, layer_types=["full_attention"] * 2).eval()
+    rows = _rows([[9, 14, 1]], model.config.vocab_size, seed=24)
+    ids, pos, _, _, _ = packed_inputs(rows)
+    with torch.no_grad():
+        ref = torch.cat([model(input_ids=s[None], use_cache=False).logits for s in rows[0]], 1)
+        # stock mixes with the mask in every version; [3, B, T] rows mix from 5.5 on (5.2 reads the first row
+        # as text positions itself)
+        for kwargs, stock_mixes in ((dict(position_ids=pos, attention_mask=torch.ones_like(ids)), True),
+                                    (dict(position_ids=pos[None].expand(3, -1, -1)), None)):
+            stock = model(input_ids=ids, use_cache=False, **kwargs).logits
+            if stock_mixes:
+                assert rel_max(stock, ref) > 1e-3
+            with patching.patched(model):
+                got = model(input_ids=ids, **kwargs).logits
+            assert rel_max(got, ref) < RTOL
+
+
+def test_padding_mask_keeps_position_ids_as_positions():
+    """A mask with zeros is kept: position_ids are then positions only (as in stock; a left-padded generate
+    batch restarts its positions after the padding), each row one sequence, padded tokens masked as in stock;
+    a multimodal [3, B, T] whose rows differ is no boundary signal either."""
+    model = build_model("tiny", seed=25).eval()
+    gen = torch.Generator().manual_seed(26)
+    ids = torch.randint(0, model.config.vocab_size, (2, 14), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    mm = torch.arange(14).expand(3, 2, 14).clone()
+    mm[1:, :, 3:7] = torch.tensor([3, 3, 4, 4])  # image tokens: equal temporal, varying height / width
+    for kwargs in (dict(attention_mask=mask, position_ids=pos), dict(position_ids=mm)):
+        with torch.no_grad():
+            stock = model(input_ids=ids, use_cache=False, **kwargs).logits
+            with patching.patched(model):
+                got = model(input_ids=ids, use_cache=False, **kwargs).logits
+        assert rel_max(got, stock) < RTOL
+    # a padded row equals that row alone without its padding
+    with torch.no_grad():
+        alone = model(input_ids=ids[1:, 4:], use_cache=False).logits
+        with patching.patched(model):
+            got = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert rel_max(got[1:, 4:], alone) < RTOL
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_packed_with_gradient_checkpointing(monkeypatch, reentrant):
     """Boundaries travel in the layers' kwargs, so the recomputation in backward sees the same ones."""
@@ -169,11 +261,18 @@ def test_packing_from_position_ids():
     # one sequence per row (and [1, T] broadcast, [4, B, T] multimodal positions): nothing to separate
     assert adapters.packing_from_position_ids(torch.arange(6)[None], 2, 6) is None
     assert adapters.packing_from_position_ids(torch.arange(6).expand(4, 2, 6), 2, 6) is None
-    # [4, B, T]: the first stream is the text position; [3, B, T] (multimodal rope only) is no sequence signal
-    assert adapters.packing_from_position_ids(pos.expand(4, 2, 6), 2, 6).cu_seqlens.tolist() == [0, 3, 4, 6, 12]
-    assert adapters.packing_from_position_ids(pos.expand(3, 2, 6), 2, 6) is None
+    # [4, B, T]: the first row is the text position (the three RoPE rows after it do not count)
+    four = torch.stack([pos, torch.zeros_like(pos), pos, pos])
+    assert adapters.packing_from_position_ids(four, 2, 6).cu_seqlens.tolist() == [0, 3, 4, 6, 12]
+    # [3, B, T] with equal rows is text; rows that differ (multimodal RoPE) carry no sequence signal
+    assert adapters.packing_from_position_ids(pos.expand(3, 2, 6), 2, 6).cu_seqlens.tolist() == [0, 3, 4, 6, 12]
+    mm = pos.expand(3, 2, 6).clone()
+    mm[1, 0, 3] = 7
+    assert adapters.packing_from_position_ids(mm, 2, 6) is None
     with pytest.raises(adapters.PackingError, match=r"position_ids of shape \(2, 5\)"):
         adapters.packing_from_position_ids(torch.zeros(2, 5, dtype=torch.long), 2, 6)
+    with pytest.raises(adapters.PackingError, match=r"position_ids of shape \(2, 2, 6\).*\[3\|4, B, T\]"):
+        adapters.packing_from_position_ids(torch.zeros(2, 2, 6, dtype=torch.long), 2, 6)
 
 
 def test_packing_from_cu_seqlens_and_seq_idx_agree():

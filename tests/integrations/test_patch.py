@@ -425,6 +425,13 @@ def test_cached_multi_token_continuation():
     then one decode step: equal to stock doing the same and to one uncached forward."""
     import inspect
 
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.9"):
+        pytest.skip("transformers < 5.9 runs a multi-token chunk after a cache from a zero recurrent state and no "
+                    "conv state (its GDN forward passes initial_state=None), stock and patched alike")
+
     model = build_model("tiny", seed=3).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
     cache_kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"

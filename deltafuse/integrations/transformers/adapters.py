@@ -8,22 +8,37 @@ Two kinds of function live here, and nothing else:
   the layer's whole ``**kwargs``), turn the packed-sequence arguments into deltafuse's (``cu_seqlens`` on a
   flat token axis, ``seq_idx`` per token), and call ``deltafuse.ops``, which picks the implementation per
   call through the backend registry.
-* forward wrappers (``wrap_text_model_forward``, ``wrap_gdn_forward``): derive sequence boundaries once per
-  model forward above the GDN layer (which never sees ``position_ids``) and hand them to every GDN layer in
-  its keyword arguments, in the names each design forwards to its ops (``cu_seq_lens_q``, ``seq_idx``).
+* forward wrappers (``wrap_text_model_forward``, ``wrap_decoder_layer_forward``, ``wrap_gdn_forward``): derive
+  sequence boundaries once per model forward above the GDN layer (which never sees ``position_ids``) and hand
+  them to every GDN layer, in the names each design forwards to its ops (``cu_seq_lens_q``, ``seq_idx``).
 
-Packing. A batch [B, T] may hold several sequences per row. Boundaries come from, in order of precedence,
-``cu_seq_lens_q`` (offsets on the flat B*T axis), ``seq_idx`` ([B, T], a sequence id per token) or
-``position_ids`` (a new sequence starts wherever the position does not grow by exactly 1, transformers'
-own rule for its packed attention mask; used only when there is no attention mask and no cache, as in
-transformers). Every row start is a boundary too: sequences never span rows. When rows hold several
-sequences, the GDN op runs once on the flattened [1, B*T] axis with the combined offsets, and the result
-is reshaped back; recurrent states map between rows and sequences (a row's initial state continues its
-first sequence, its final state is that of its last sequence).
+Packing. A batch [B, T] may hold several sequences per row. Without a cache, boundaries come from, in order of
+precedence, ``cu_seq_lens_q`` (offsets on the flat B*T axis), ``seq_idx`` ([B, T], a sequence id per token) or
+``position_ids``: a new sequence starts wherever the position does not grow by exactly 1 (transformers' own
+rule for its packed attention mask). position_ids count when there is no attention mask or a 2-D mask of all
+ones; they are read from [B, T] / [1, T] / [T], from the first (text) row of [4, B, T], and from [3, B, T] when
+its three rows are equal (text; rows that differ are a multimodal RoPE layout, no boundary signal). Every row
+start is a boundary too: sequences never span rows. For a packed batch, an all-ones 2-D mask is dropped and
+equal [3, B, T] positions are passed as their one [B, T] row, so that transformers builds its block-causal
+mask for the full-attention layers from the restarting positions in every version. A mask with zeros (padding)
+or a 4-D mask is kept as given: position_ids are then positions only, and only ``cu_seq_lens_q`` / ``seq_idx``
+separate sequences (in the GDN and conv layers; the full-attention layers follow the given mask).
+When rows hold several sequences, the GDN op runs once on the flattened [1, B*T] axis with the combined
+offsets, and the result is reshaped back; recurrent states map between rows and sequences (a row's initial
+state continues its first sequence, its final state is that of its last sequence).
+
+How the boundaries reach the GDN layers. The text model puts them in the decoder layers' keyword arguments
+(``deltafuse_packing``; the attention route reads them there). Decoder layers of transformers 5.2-5.8 call
+``linear_attn(...)`` without their ``**kwargs``, so the decoder-layer wrapper also holds the boundaries in a
+context variable, for its own ``linear_attn`` and for the duration of its call only (reset in ``finally``;
+under gradient checkpointing the recomputation calls the decoder layer with the same keywords and sets it
+again). A GDN layer that runs inside a packed text-model call and receives the boundaries neither way raises
+``PackingError`` instead of mixing sequences.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -34,10 +49,20 @@ import torch
 from deltafuse import ops
 from deltafuse.ops._checks import remember_host_offsets
 
-# Keyword under which the text-model wrapper hands the boundaries to the GDN layers. It travels in the
-# decoder layers' **kwargs (recomputed with them under gradient checkpointing, never global state); the
-# GDN wrapper removes it before the stock forward runs.
+# Keyword under which the text-model wrapper hands the boundaries to the decoder layers. It travels in their
+# **kwargs (recomputed with them under gradient checkpointing, never global state); the GDN wrapper removes it
+# before the stock forward runs.
 PACKING_KWARG = "deltafuse_packing"
+
+# (GDN layer, Packing) while a decoder layer that holds that GDN layer runs with a packed batch: the route to
+# GDN layers whose decoder layer does not forward its **kwargs (transformers 5.2-5.8). Set and reset around
+# each decoder-layer call, so nothing outlives the call (and each thread / task sees its own).
+_LAYER_PACKING: contextvars.ContextVar = contextvars.ContextVar("deltafuse_layer_packing", default=None)
+# The Packing of the text-model call in progress: a GDN layer inside it that got no boundaries is an error.
+_MODEL_PACKING: contextvars.ContextVar = contextvars.ContextVar("deltafuse_model_packing", default=None)
+# _HeldPacking while the forward of a GDN layer that takes no **kwargs (5.2-5.8: it calls its ops without
+# boundaries) runs: the op adapters read the boundaries here and record that they did.
+_OP_PACKING: contextvars.ContextVar = contextvars.ContextVar("deltafuse_op_packing", default=None)
 
 # Keywords transformers forwards along with the GDN op calls that do not change the maths.
 _BOUNDARY_KWARGS = ("cu_seq_lens_q", "seq_idx")
@@ -81,6 +106,12 @@ class Packing:
                                f"batch but the hidden states are [{batch}, {length}]")
 
 
+@dataclass
+class _HeldPacking:
+    packing: Packing
+    used: set = dataclasses.field(default_factory=set)  # "gdn", "conv": the op adapters that applied it
+
+
 def packing_from_starts(starts: torch.Tensor) -> Packing | None:
     """Packing from a [B, T] bool tensor marking the first token of every sequence (row starts implied).
 
@@ -103,21 +134,33 @@ def packing_from_starts(starts: torch.Tensor) -> Packing | None:
     return Packing(seq_idx, cu_seqlens, B, T)
 
 
-def packing_from_position_ids(position_ids: torch.Tensor, batch: int, length: int) -> Packing | None:
-    """Boundaries where the position does not grow by 1 (transformers' ``find_packed_sequence_indices``)."""
+def text_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The positions that carry sequence boundaries: [B, T] / [1, T] / [T] as given, the first (text) row of
+    [4, B, T], the common row of a [3, B, T] whose three rows are equal (text); None for a [3, B, T] whose
+    rows differ (multimodal RoPE, where e.g. image tokens share a temporal position: no sequence signal)."""
     pos = position_ids
     if pos.dim() == 3:
-        # [4, B, T]: text positions first, then the three rope streams (what transformers reads as text
-        # positions too). [3, B, T] holds only the multimodal rope streams, where image tokens share a
-        # temporal position: not a sequence signal (transformers builds no packed mask from it either).
-        if pos.shape[0] != 4:
-            return None
-        pos = pos[0]
+        if pos.shape[0] == 4:
+            return pos[0]
+        if pos.shape[0] == 3:
+            return pos[0] if bool((pos[1:] == pos[:1]).all()) else None
+    return pos
+
+
+def packing_from_position_ids(position_ids: torch.Tensor, batch: int, length: int) -> Packing | None:
+    """Boundaries where the position does not grow by 1 (transformers' ``find_packed_sequence_indices``),
+    read from the rows ``text_positions`` picks."""
+    if position_ids.dim() == 3 and position_ids.shape[0] not in (3, 4):
+        raise PackingError(f"position_ids of shape {tuple(position_ids.shape)} do not fit a [{batch}, {length}] "
+                           "batch; expected [B, T], [1, T], [T] or [3|4, B, T]")
+    pos = text_positions(position_ids)
+    if pos is None:
+        return None
     if pos.dim() == 1:
         pos = pos[None]
     if pos.dim() != 2 or pos.shape[-1] != length or pos.shape[0] not in (1, batch):
         raise PackingError(f"position_ids of shape {tuple(position_ids.shape)} do not fit a [{batch}, {length}] "
-                           "batch; expected [B, T], [1, T] or [3|4, B, T]")
+                           "batch; expected [B, T], [1, T], [T] or [3|4, B, T]")
     pos = pos.expand(batch, length)
     if length < 2:
         return None
@@ -188,13 +231,19 @@ def _set_argument(signature: inspect.Signature, args: tuple, kwargs: dict, name:
     return args
 
 
-def wrap_text_model_forward(original):
-    """Text-model forward that derives the packing once per call and passes it to every GDN layer.
+def _all_ones_mask(mask) -> bool:
+    """A 2-D attention mask that masks nothing (what tokenizers and many collators return for unpadded rows)."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask == 1).all())
 
-    When the batch is packed (explicit ``cu_seq_lens_q`` / ``seq_idx``, or position_ids restarting with no
-    attention mask and no cache) and the caller passed no cache, ``use_cache`` is turned off for this call:
-    transformers builds its packed full-attention mask only without a cache, and a cache of a packed batch
-    would mix sequences.
+
+def wrap_text_model_forward(original):
+    """Text-model forward that derives the packing once per call and passes it to every decoder layer.
+
+    For a packed batch without a cache: an all-ones 2-D ``attention_mask`` is dropped, equal [3, B, T]
+    position_ids of a multimodal-RoPE model are passed as their [B, T] row, and position_ids are derived from
+    explicit boundaries when none are given, so that transformers builds its block-causal full-attention mask
+    from them (it does so only without a mask and without a cache); ``use_cache`` is turned off for this call
+    (a cache of a packed batch would mix sequences).
     """
     signature = inspect.signature(original)
 
@@ -211,42 +260,109 @@ def wrap_text_model_forward(original):
         cache = None
         for name in ("cache", "past_key_values", "cache_params"):
             cache = cache if cache is not None else _argument(signature, args, kwargs, name)
-        mask = _argument(signature, args, kwargs, "attention_mask")
+        explicit = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("seq_idx") is not None
         position_ids = _argument(signature, args, kwargs, "position_ids")
-        use_positions = position_ids if (mask is None and cache is None) else None
+        if position_ids is None and not explicit:
+            return original(self, *args, **kwargs)
+        mask = _argument(signature, args, kwargs, "attention_mask")
+        mask_free = cache is None and (mask is None or _all_ones_mask(mask))
+        use_positions = position_ids if mask_free else None
         packing = packing_from_kwargs(kwargs, batch, length, use_positions)
         if packing is None:
             return original(self, *args, **kwargs)
-        explicit = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("seq_idx") is not None
-        if position_ids is None and cache is None:
-            # boundaries given only as cu_seq_lens_q / seq_idx: positions restart with every sequence (what
-            # RoPE and transformers' packed attention mask need to treat each sequence as if alone)
-            args = _set_argument(signature, args, kwargs, "position_ids", packing.positions())
-            explicit = False
+        if cache is None:
+            if mask is not None and mask_free:
+                # transformers builds the packed (block-causal) mask only when no mask is passed
+                args = _set_argument(signature, args, kwargs, "attention_mask", None)
+                mask = None
+            if position_ids is None:
+                # boundaries given only as cu_seq_lens_q / seq_idx: positions restart with every sequence (what
+                # RoPE and transformers' packed attention mask need to treat each sequence as if alone)
+                args = _set_argument(signature, args, kwargs, "position_ids", packing.positions())
+                explicit = False
+            elif (position_ids.dim() == 3 and position_ids.shape[0] == 3 and _is_mrope(self)
+                  and text_positions(position_ids) is not None):
+                # equal rows: the same RoPE from their [B, T] row, which every version also reads as the text
+                # positions of its packed mask (5.15+ read none from a [3, B, T])
+                args = _set_argument(signature, args, kwargs, "position_ids", position_ids[0])
         # transformers' mask is block-causal exactly when it comes from these restarting positions alone
         packing = dataclasses.replace(packing, block_causal=mask is None and cache is None and not explicit)
         kwargs[PACKING_KWARG] = packing
         if cache is None and _argument(signature, args, kwargs, "use_cache") is not False:
             args = _set_argument(signature, args, kwargs, "use_cache", False)
-        return original(self, *args, **kwargs)
+        token = _MODEL_PACKING.set(packing)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _MODEL_PACKING.reset(token)
 
     forward.__deltafuse_wraps__ = original
     forward.__deltafuse_factory__ = "deltafuse.wrap_text_model_forward"
     return forward
 
 
+def _is_mrope(text_model) -> bool:
+    """Whether the model reads [3, B, T] position_ids (interleaved multimodal RoPE: Qwen3.5 families)."""
+    return hasattr(getattr(text_model, "rotary_emb", None), "mrope_section")
+
+
+def wrap_decoder_layer_forward(original):
+    """Decoder-layer forward that holds the packing of its keywords for its own ``linear_attn`` while it runs.
+
+    transformers 5.2-5.8 call ``self.linear_attn(hidden_states, cache_params, cache_position, attention_mask)``
+    without the layer's ``**kwargs``; the boundaries reach the GDN wrapper through ``_LAYER_PACKING`` there.
+    Under gradient checkpointing the recomputation calls this forward with the same keywords again.
+    """
+    if getattr(getattr(original, "__code__", None), "co_name", "") == "forward_with_checkpointing":
+        # newer transformers checkpoint the class's forward and compare it by identity: wrapping it would turn
+        # gradient checkpointing off (their decoder layers pass the boundaries in their keywords anyway)
+        raise RuntimeError(f"wrap_decoder_layer_forward: {original.__qualname__} is transformers' checkpointing "
+                           "forward, which must stay the class attribute; this row is for transformers 5.2-5.14")
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        packing = kwargs.get(PACKING_KWARG)
+        gdn = getattr(self, "linear_attn", None) if packing is not None else None
+        if gdn is None:
+            return original(self, *args, **kwargs)
+        token = _LAYER_PACKING.set((gdn, packing))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _LAYER_PACKING.reset(token)
+
+    forward.__deltafuse_wraps__ = original
+    forward.__deltafuse_factory__ = "deltafuse.wrap_decoder_layer_forward"
+    return forward
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers  # only for the message; this module never needs it otherwise
+
+        return transformers.__version__
+    except Exception:  # pragma: no cover - transformers is what calls this code
+        return "?"
+
+
 def wrap_gdn_forward(original):
     """GDN-layer forward that presents the packing in the keywords the stock forward hands to its ops.
 
     Both designs forward ``kwargs["cu_seq_lens_q"]`` to the chunked GDN op as ``cu_seqlens``; the old design
-    forwards ``kwargs["seq_idx"]`` to the conv, the new one all of ``kwargs``. Called without the text-model
-    wrapper (a layer used on its own), the boundaries are derived here from those same keywords.
+    forwards ``kwargs["seq_idx"]`` to the conv, the new one all of ``kwargs``. The packing comes from the
+    keywords (5.9+), else from the decoder layer that holds this layer (``_LAYER_PACKING``); called without
+    the text-model wrapper (a layer used on its own), the boundaries are derived here from the keywords.
     """
     signature = inspect.signature(original)
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         packing = kwargs.pop(PACKING_KWARG, None)
+        if packing is None:
+            held = _LAYER_PACKING.get()
+            if held is not None and held[0] is self:
+                packing = held[1]
         hidden = _argument(signature, args, kwargs, "hidden_states")
         if hidden is None or hidden.dim() != 3:
             return original(self, *args, **kwargs)
@@ -254,15 +370,37 @@ def wrap_gdn_forward(original):
         if packing is None:
             packing = packing_from_kwargs(kwargs, batch, length)
         if packing is None:
+            expected = _MODEL_PACKING.get()
+            if expected is not None and (expected.batch, expected.length) == (batch, length):
+                raise PackingError(
+                    f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}) runs inside a packed "
+                    f"batch of {expected.num_sequences} sequences but received no sequence boundaries: its "
+                    f"decoder layer (transformers {_transformers_version()}) passes them neither in its keywords "
+                    "nor through a 'linear_attn' attribute; refusing to mix the sequences")
             # explicit boundaries that hold one sequence per row: nothing to separate
             for name in _BOUNDARY_KWARGS:
                 kwargs.pop(name, None)
             return original(self, *args, **kwargs)
         packing.check(batch, length, type(self).__name__)
         _check_cached_ops(self)
-        kwargs["cu_seq_lens_q"] = packing.cu_seqlens
-        kwargs["seq_idx"] = packing.seq_idx
-        return original(self, *args, **kwargs)
+        if takes_kwargs:
+            kwargs["cu_seq_lens_q"] = packing.cu_seqlens
+            kwargs["seq_idx"] = packing.seq_idx
+            return original(self, *args, **kwargs)
+        # 5.2-5.8: the stock forward calls its (instance-bound, deltafuse) ops without boundaries
+        held = _HeldPacking(packing)
+        token = _OP_PACKING.set(held)
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            _OP_PACKING.reset(token)
+        if held.used != {"gdn", "conv"}:
+            missing = sorted({"gdn", "conv"} - held.used)
+            raise PackingError(
+                f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}, transformers "
+                f"{_transformers_version()}) ran a packed batch without calling deltafuse's {' and '.join(missing)} "
+                "op, so its sequences may have mixed; this transformers version is not supported for packed batches")
+        return out
 
     forward.__deltafuse_wraps__ = original
     forward.__deltafuse_factory__ = "deltafuse.wrap_gdn_forward"
@@ -336,11 +474,28 @@ def _boundary_arguments(cu_seqlens, kwargs):
     return cu_seqlens, kwargs.get("seq_idx")
 
 
+def _held_packing(op: str, batch: int, length: int | None) -> Packing | None:
+    """The boundaries of the GDN forward in progress (5.2-5.8, which calls its ops without them), if any;
+    records that ``op`` ("gdn" or "conv") applied them."""
+    held = _OP_PACKING.get()
+    if held is None:
+        return None
+    packing = held.packing
+    if batch != packing.batch or (length is not None and length != packing.length):
+        raise PackingError(f"the {op} op got a [{batch}, {length if length is not None else '?'}] batch inside a "
+                           f"GDN layer whose packed-sequence boundaries describe [{packing.batch}, {packing.length}]")
+    held.used.add(op)
+    return packing
+
+
 def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """``chunk_gated_delta_rule`` as every transformers design calls it (FLA's signature plus the layer's
     keywords); q/k may have H heads (5.23+) or HV heads (repeated, up to 5.22)."""
     cu_seqlens, seq_idx = _boundary_arguments(cu_seqlens, kwargs)
+    if cu_seqlens is None and seq_idx is None:
+        held = _held_packing("gdn", q.shape[0], q.shape[1])
+        cu_seqlens = None if held is None else held.cu_seqlens
     return _gdn_call(ops.chunk_gated_delta_rule, q, k, v, g, beta, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel, cu_seqlens, seq_idx)
 
@@ -350,6 +505,9 @@ def recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_s
                                **kwargs):
     """The decoding GDN op (``fused_recurrent_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``)."""
     cu_seqlens, seq_idx = _boundary_arguments(cu_seqlens, kwargs)
+    if cu_seqlens is None and seq_idx is None:
+        held = _held_packing("gdn", q.shape[0], q.shape[1])
+        cu_seqlens = None if held is None else held.cu_seqlens
     return _gdn_call(ops.fused_recurrent_gated_delta_rule, q, k, v, g, beta, scale, initial_state,
                      output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, seq_idx)
 
@@ -389,6 +547,9 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     with ``cu_seq_lens_q`` / ``seq_idx`` (new). x [B, C, T], weight [C, W]."""
     cu_seqlens, kw_seq_idx = _boundary_arguments(cu_seqlens, kwargs)
     seq_idx = seq_idx if seq_idx is not None else kw_seq_idx
+    if seq_idx is None and cu_seqlens is None:
+        held = _held_packing("conv", x.shape[0], None)
+        seq_idx = None if held is None else held.seq_idx
     sid = _conv_seq_idx(x, seq_idx, cu_seqlens)
     return ops.causal_conv1d_fn(x, weight, bias, seq_idx=sid, initial_states=initial_states,
                                 return_final_states=return_final_states, final_states_out=final_states_out,

@@ -3,7 +3,9 @@
 Old design (transformers 5.2-5.14, module defines ``is_fast_path_available``): the FLA / causal-conv1d names
 are module globals read once by the ``*GatedDeltaNet.__init__``, which caches them on the instance.
 New design (5.15+): the layer's forward looks up the decorated module functions by name at call time.
-Both: the text model's forward derives packed-sequence boundaries, the GDN forward hands them to its ops.
+Both: the text model's forward derives packed-sequence boundaries, the GDN forward hands them to its ops; in
+the old design the decoder layer's forward also holds them for its ``linear_attn`` (5.2-5.8 do not forward the
+decoder layer's keywords to it).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from deltafuse.integrations.transformers import adapters as a
 from deltafuse.integrations.transformers.patcher import Route
 
 
-def gdn_routes(gdn: str, text_model: str) -> tuple[Route, ...]:
-    """The gated delta rule and causal conv1d rows for a family whose GDN layer class is ``gdn`` and whose
-    decoder stack (the module that receives ``position_ids``) is ``text_model``."""
+def gdn_routes(gdn: str, text_model: str, decoder_layer: str) -> tuple[Route, ...]:
+    """The gated delta rule and causal conv1d rows for a family whose GDN layer class is ``gdn``, whose
+    decoder stack (the module that receives ``position_ids``) is ``text_model`` and whose decoder layer (which
+    holds the GDN layer as ``linear_attn``) is ``decoder_layer``."""
     return (
         # old design: module globals (models built after apply) ...
         Route("gdn", "global", "", "chunk_gated_delta_rule", a.chunk_gated_delta_rule, design="old"),
@@ -42,5 +45,9 @@ def gdn_routes(gdn: str, text_model: str) -> tuple[Route, ...]:
         Route("gdn", "global", "", "causal_conv1d_update", a.causal_conv1d_update, design="new"),
         # packed sequences, both designs
         Route("gdn", "class", text_model, "forward", a.wrap_text_model_forward, wrap=True),
+        # old design only: 5.2-5.8 do not pass the decoder layer's keywords to linear_attn (5.9+ do). Newer
+        # releases checkpoint the class's own forward and check its identity ("outermost"): a wrapper there
+        # would silently turn gradient checkpointing off.
+        Route("gdn", "class", decoder_layer, "forward", a.wrap_decoder_layer_forward, wrap=True, design="old"),
         Route("gdn", "class", gdn, "forward", a.wrap_gdn_forward, wrap=True),
     )

@@ -7,7 +7,8 @@ from deltafuse.integrations.transformers.patcher import FamilyMap
 MAP = FamilyMap(
     family="qwen3_5_moe",
     module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
-    routes=gdn_routes(gdn="Qwen3_5MoeGatedDeltaNet", text_model="Qwen3_5MoeTextModel")
+    routes=gdn_routes(gdn="Qwen3_5MoeGatedDeltaNet", text_model="Qwen3_5MoeTextModel",
+                     decoder_layer="Qwen3_5MoeDecoderLayer")
     + fused_routes(rms_norm="Qwen3_5MoeRMSNorm", rms_norm_gated="Qwen3_5MoeRMSNormGated", mlp="Qwen3_5MoeMLP",
                    causal_lm="Qwen3_5MoeForCausalLM", attention="Qwen3_5MoeAttention")
     + moe_routes(experts="Qwen3_5MoeExperts"),

@@ -7,7 +7,8 @@ from deltafuse.integrations.transformers.patcher import FamilyMap
 MAP = FamilyMap(
     family="qwen3_next",
     module="transformers.models.qwen3_next.modeling_qwen3_next",
-    routes=gdn_routes(gdn="Qwen3NextGatedDeltaNet", text_model="Qwen3NextModel")
+    routes=gdn_routes(gdn="Qwen3NextGatedDeltaNet", text_model="Qwen3NextModel",
+                     decoder_layer="Qwen3NextDecoderLayer")
     + fused_routes(rms_norm="Qwen3NextRMSNorm", rms_norm_gated="Qwen3NextRMSNormGated", mlp="Qwen3NextMLP",
                    causal_lm="Qwen3NextForCausalLM", attention="Qwen3NextAttention")
     + moe_routes(experts="Qwen3NextExperts"),

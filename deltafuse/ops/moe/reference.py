@@ -176,7 +176,10 @@ class _MoeExperts(torch.autograd.Function):
         inv = plan.inverse()
         y = y[inv].view(n, k, hdim)
         w = top_k_weights.to(y.dtype).view(n, 1, k)
-        out = torch.bmm(w, y).view(n, hdim)
+        # written into a tensor of its own: a view of an intermediate returned from a custom Function may not
+        # be modified in place, and callers do (transformers 5.2 adds the shared expert with +=)
+        out = y.new_empty(n, hdim)
+        torch.bmm(w, y, out=out.view(n, 1, hdim))
         ctx.save_for_backward(hidden, top_k_weights, gate_up, down, gu)
         ctx.plan, ctx.mats, ctx.needs = plan, mats, needs
         return out

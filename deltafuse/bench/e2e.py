@@ -353,6 +353,8 @@ def run_e2e(args) -> dict:
         peer_rows = peer_table_rows(runs, stats, status, records, size)
         peer_md = ["## peers: each with deltafuse OFF and the peer on; same model, seed, data, steps and flags", "",
                    markdown_table(peer_rows, peer_table_head(size, mem_kind)), ""]
+        notes += [f"{peers_mod.LABELS[r]}: {peers_mod.GUARD_NOTE} (its numbers are timing only)" for r in args.peers
+                  if ((reports[r]["report"] or {}).get("fla") or {}).get("hopper_guard_lifted")]
     md = "\n".join([f"# {title}", "", markdown_table(rows), ""] + peer_md + [f"- {n}" for n in notes]
                     + ["", "commands:", ""] + [f"    {commands[r]}" for r in runs]) + "\n"
     out = {

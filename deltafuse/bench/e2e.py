@@ -6,6 +6,11 @@ both get the same model, seed, data, steps and flags. The OFF run has ``DELTAFUS
 passed through from the environment). From their per-step records the table gives the average duration of a
 ``--interval``-step interval (wall clock, warm-up intervals excluded), tokens/s, peak memory, average loss and
 grad norm with the ON-OFF deltas, and the speedup; it is written as Markdown, JSON and a PNG.
+
+``--peers fla,liger,fla+liger`` adds runs with deltafuse OFF and FLA and/or Liger-Kernel on (see peers.py), with
+the same flags, and a second table with one row per run: its numbers and deltafuse's speedup over it, or why it
+has none. The OFF run and every run that is not an FLA run start through ``deltafuse.bench.peers`` too, which
+keeps FLA out of them: they use transformers' torch fallback even where FLA is installed.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from deltafuse.bench import peers as peers_mod
 from deltafuse.train.errors import TrainInputError
 
 
@@ -59,11 +65,24 @@ def forward_train_args(args) -> list[str]:
     return out
 
 
+def peer_report_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "peer_run.json")
+
+
 def child_command(args, run: str, run_dir: str) -> tuple[list[str], dict]:
-    train_cmd = ["-m", "deltafuse.train", *forward_train_args(args), "--output-dir", run_dir, "--overwrite",
-                 "--deltafuse" if run == "on" else "--no-deltafuse"]
+    """The command and environment of one run: ``on`` is `deltafuse train`; off and the peers start through
+    ``deltafuse.bench.peers`` (FLA kept out unless the run names it, peers set up and counted)."""
+    train_args = [*forward_train_args(args), "--output-dir", run_dir, "--overwrite",
+                  "--deltafuse" if run == "on" else "--no-deltafuse"]
     if args.progress is not None:
-        train_cmd.append("--progress" if args.progress else "--no-progress")
+        train_args.append("--progress" if args.progress else "--no-progress")
+    if run == "on":
+        train_cmd = ["-m", "deltafuse.train", *train_args]
+    else:
+        lift = ["--fla-lift-hopper-guard"] if getattr(args, "fla_lift_hopper_guard", False) and "fla" in \
+            peers_mod.parts(run) else []
+        train_cmd = ["-m", "deltafuse.bench.peers", "--run", run, "--report", peer_report_path(run_dir), *lift,
+                     "--", *train_args]
     if args.nproc_per_node > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={args.nproc_per_node}", *train_cmd]
@@ -150,14 +169,41 @@ def table_rows(off: dict, on: dict, size: int, mem_kind: str) -> list[list[str]]
     return rows
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    head = ["metric", "OFF (stock)", "ON (deltafuse)", "delta (ON - OFF)"]
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(4)]
+def peer_table_rows(runs: list[str], stats: dict, status: dict, records: dict, size: int) -> list[list[str]]:
+    """One row per run (OFF, ON, then each peer): its numbers and deltafuse's speedup over it, or the reason."""
+    from deltafuse.train.trainer import fmt_bytes
+
+    on_time = stats["on"]["avg_interval_s"]
+    rows = []
+    for run in runs:
+        label = peers_mod.LABELS[run]
+        if run not in stats:
+            rows.append([label] + ["-"] * 8 + [status[run]])
+            continue
+        s = stats[run]
+        dloss = ("-" if run == "off" else
+                 f"{max(abs(a['loss'] - b['loss']) for a, b in zip(records['off'], records[run])):.4g}")
+        rows.append([label, f"{s['avg_interval_s']:.3f}", f"{s['median_step_s'] * 1000:.1f}",
+                     f"{s['tokens_per_s']:,.0f}", fmt_bytes(s["peak_mem_bytes"]), f"{s['avg_loss']:.4f}",
+                     f"{s['final_loss']:.4f}", dloss, f"{s['avg_interval_s'] / on_time:.2f}x", status[run]])
+    return rows
+
+
+def peer_table_head(size: int, mem_kind: str) -> list[str]:
+    return ["run", f"avg {size}-step interval (s)", "median step (ms)", "tokens/s", f"peak memory ({mem_kind})",
+            "avg loss", f"final loss (last {size})", "max step |loss - OFF|",
+            "deltafuse speedup (its time / ON time)", "status"]
+
+
+def markdown_table(rows: list[list[str]], head: list[str] | None = None) -> str:
+    head = head or ["metric", "OFF (stock)", "ON (deltafuse)", "delta (ON - OFF)"]
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 
 def plot(records: dict[str, list[dict]], path: str, title: str) -> None:
+    """Loss, grad norm and step time per step of every run in ``records`` (keys: off, on, peer names)."""
     try:
         import matplotlib
     except ImportError:
@@ -170,10 +216,9 @@ def plot(records: dict[str, list[dict]], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (("loss", "loss", 1.0), ("grad_norm", "grad norm", 1.0), ("step_time_s", "step time (ms)", 1000.0))
     for ax, (key, label, scale) in zip(axes, panels):
-        for run, name in RUNS:
-            recs = records[run]
-            ax.plot([r["step"] for r in recs], [r[key] * scale for r in recs], label=name,
-                    linestyle="-" if run == "on" else "--", linewidth=1.4)
+        for run, recs in records.items():
+            ax.plot([r["step"] for r in recs], [r[key] * scale for r in recs], label=peers_mod.LABELS[run],
+                    linestyle="-" if run == "on" else "--" if run == "off" else ":", linewidth=1.4)
         ax.set_xlabel("step")
         ax.set_title(label)
         ax.grid(alpha=0.3)
@@ -213,6 +258,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="first intervals left out of the timing (warm-up, kernel compilation; default: 1)")
     g.add_argument("--nproc-per-node", metavar="N", type=_int_at_least(1), default=1,
                    help="processes per run through torch.distributed.run (DDP; default: 1 = no launcher)")
+    g.add_argument("--peers", metavar="LIST", type=peers_mod.parse_peers, default=[],
+                   help="also run the same training with deltafuse OFF and a peer on: none (default) or a "
+                        "comma-separated list of fla (flash-linear-attention, which transformers picks by itself), "
+                        "liger (Liger-Kernel's patches incl. its fused linear cross-entropy), fla+liger; a peer "
+                        "that cannot run is a row with the reason")
+    g.add_argument("--fla-lift-hopper-guard", action="store_true",
+                   help="in the FLA runs, set fla.ops.common.chunk_o.IS_NVIDIA_HOPPER=False where FLA refuses its "
+                        "backward (Hopper, Triton >= 3.4, < 3.7.1): for timing only, its gradients are known to be "
+                        "wrong there; the table says so")
 
 
 def check_args(args) -> None:
@@ -221,6 +275,9 @@ def check_args(args) -> None:
                               "(use `deltafuse train` for one run)")
     if args.resume is not None:
         raise TrainInputError("bench e2e starts fresh runs; --resume is for `deltafuse train`")
+    if args.fla_lift_hopper_guard and not any("fla" in peers_mod.parts(p) for p in args.peers):
+        raise TrainInputError("--fla-lift-hopper-guard applies to FLA runs; add fla or fla+liger to --peers "
+                              f"(now: {','.join(args.peers) or 'none'})")
     need = args.interval * (args.warmup_intervals + 1)
     if args.max_steps < need:
         raise TrainInputError(f"--max-steps {args.max_steps} leaves no timed interval; allowed: --max-steps >= "
@@ -241,7 +298,8 @@ def run_e2e(args) -> dict:
     if args.data is not None:  # fail here, once, rather than in the first child
         data_mod.load_jsonl(args.data, skip_bad_rows=args.skip_bad_rows)
     prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=None)
-    for name in ("off", "on", "e2e.md", "e2e.json", "e2e.png"):
+    runs = [run for run, _ in RUNS] + list(args.peers)
+    for name in [peers_mod.run_dir_name(r) for r in peers_mod.PEERS] + ["off", "on", "e2e.md", "e2e.json", "e2e.png"]:
         path = os.path.join(args.output_dir, name)
         if args.overwrite and os.path.exists(path):
             import shutil
@@ -249,9 +307,10 @@ def run_e2e(args) -> dict:
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(args.output_dir, exist_ok=True)
 
-    commands, records, summaries, wall = {}, {}, {}, {}
-    for run, name in RUNS:
-        run_dir = os.path.join(args.output_dir, run)
+    commands, records, summaries, wall, status, reports = {}, {}, {}, {}, {}, {}
+    for run in runs:
+        name = peers_mod.LABELS[run]
+        run_dir = os.path.join(args.output_dir, peers_mod.run_dir_name(run))
         cmd, env = child_command(args, run, run_dir)
         shown = f"DELTAFUSE_PATCH={env['DELTAFUSE_PATCH']} " + shlex.join(["python", *cmd[1:]])
         commands[run] = shown
@@ -259,6 +318,9 @@ def run_e2e(args) -> dict:
         t0 = time.perf_counter()
         rc = subprocess.call(cmd, env=env)
         wall[run] = time.perf_counter() - t0
+        if run in args.peers:
+            _collect_peer(run, run_dir, rc, args.max_steps, records, summaries, status, reports)
+            continue
         if rc != 0:
             raise BenchRunError(f"the {name} run failed with exit code {rc} (its output is above); "
                                f"command: {shown}")
@@ -269,7 +331,7 @@ def run_e2e(args) -> dict:
             raise BenchRunError(f"the {name} run recorded {len(records[run])} of {args.max_steps} steps")
 
     size, warm = args.interval, args.warmup_intervals
-    stats = {run: summarize(records[run], size, warm) for run, _ in RUNS}
+    stats = {run: summarize(records[run], size, warm) for run in runs if run in records}
     mem_kind = summaries["on"].get("peak_mem_kind", "peak memory")
     rows = table_rows(stats["off"], stats["on"], size, mem_kind)
     on_report = summaries["on"].get("deltafuse", {})
@@ -288,8 +350,16 @@ def run_e2e(args) -> dict:
         f"deltafuse ON: {on_report.get('text', '').splitlines()[0] if on_report.get('text') else 'no report'}",
         "stack: " + ", ".join(f"{k} {v}" for k, v in stack.items()),
     ]
-    md = "\n".join([f"# {title}", "", markdown_table(rows), ""] + [f"- {n}" for n in notes]
-                   + ["", "commands:", ""] + [f"    {commands[r]}" for r, _ in RUNS]) + "\n"
+    peer_md, peer_rows = [], []
+    if args.peers:
+        status.update({"off": "ran (transformers' torch fallback; FLA kept out)", "on": "ran"})
+        peer_rows = peer_table_rows(runs, stats, status, records, size)
+        peer_md = ["## peers: each with deltafuse OFF and the peer on; same model, seed, data, steps and flags", "",
+                   markdown_table(peer_rows, peer_table_head(size, mem_kind)), ""]
+        notes += [f"{peers_mod.LABELS[r]}: {peers_mod.GUARD_NOTE} (its numbers are timing only)" for r in args.peers
+                  if ((reports[r]["report"] or {}).get("fla") or {}).get("hopper_guard_lifted")]
+    md = "\n".join([f"# {title}", "", markdown_table(rows), ""] + peer_md + [f"- {n}" for n in notes]
+                    + ["", "commands:", ""] + [f"    {commands[r]}" for r in runs]) + "\n"
     out = {
         "title": title, "table": [dict(zip(("metric", "off", "on", "delta"), r)) for r in rows],
         "off": stats["off"], "on": stats["on"],
@@ -299,14 +369,41 @@ def run_e2e(args) -> dict:
         "max_step_loss_delta": max(step_dloss), "interval": size, "warmup_intervals": warm,
         "commands": commands, "process_wall_s": wall, "stack": stack, "deltafuse_report": on_report,
         "config": {k: v for k, v in vars(args).items() if k not in ("func", "bench_func")},
-        "steps": {run: records[run] for run, _ in RUNS},
+        "steps": {run: records[run] for run in runs if run in records},
     }
+    if args.peers:
+        out["peers"] = {run: dict(reports[run], stats=stats.get(run), summary=summaries.get(run),
+                                  speedup_of_deltafuse=(stats[run]["avg_interval_s"] / stats["on"]["avg_interval_s"]
+                                                        if run in stats else None))
+                        for run in args.peers}
+        out["peer_table"] = [dict(zip(peer_table_head(size, mem_kind), r)) for r in peer_rows]
     paths = {ext: os.path.join(args.output_dir, f"e2e.{ext}") for ext in ("md", "json", "png")}
     with open(paths["md"], "w") as fh:
         fh.write(md)
     with open(paths["json"], "w") as fh:
         json.dump(out, fh, indent=2, default=str)
     print("\n" + md)
-    plot(records, paths["png"], title)
+    plot({run: records[run] for run in runs if run in records}, paths["png"], title)
     print(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
     return out
+
+
+def _collect_peer(run, run_dir, rc, max_steps, records, summaries, status, reports) -> None:
+    """Read one peer run: its records when it really ran with its peer, else the reason (never a crash)."""
+    report = None
+    if os.path.isfile(peer_report_path(run_dir)):
+        with open(peer_report_path(run_dir)) as fh:
+            report = json.load(fh)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    recs = read_records(metrics) if os.path.isfile(metrics) and rc == 0 else []
+    kind, reason = peers_mod.peer_status(run, report, rc, len(recs), max_steps)
+    reports[run] = {"status": kind, "reason": reason,
+                    "report": {k: v for k, v in (report or {}).items() if k != "traceback"} or None}
+    if kind == "ran":
+        records[run] = recs
+        with open(os.path.join(run_dir, "summary.json")) as fh:
+            summaries[run] = json.load(fh)
+        status[run] = peers_mod.ran_note(run, report)
+    else:
+        status[run] = reason
+        print(f"=== {peers_mod.LABELS[run]}: {reason}", flush=True)

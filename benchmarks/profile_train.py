@@ -2,11 +2,12 @@
 
 One process, one model:
 1. `deltafuse train ARGS...` runs in-process. Every Triton compilation is recorded with the step it happened
-   in and its wall time (Triton's JIT hooks), every step is timed (CUDA synchronised around
-   ``Trainer.training_step``'s caller, i.e. the whole optimizer step), the batches of the run are kept, and
-   ``--profile-steps`` steady steps run under ``torch.profiler``.
+   in and its wall time (Triton's JIT hooks), every step is timed (CUDA synchronised from one step's begin
+   to its end, i.e. the whole optimizer step), the batches of the run are kept, and the last
+   ``--profile-steps`` steps run under ``torch.profiler``.
 2. The same packed rows then run again in a plain PyTorch loop (forward, backward, clip, AdamW step, zero
-   grad) on the trained model, timed and profiled the same way: the difference is what the Trainer adds.
+   grad) on the trained model, with deltafuse applied again (``deltafuse train`` reverts it when it ends),
+   timed and profiled the same way: the difference is what the Trainer adds.
 
     python benchmarks/profile_train.py OUT.json -- --model dense8 --seq-len 4096 --max-steps 30 --no-progress \
         --output-dir /tmp/prof --overwrite
@@ -65,15 +66,25 @@ def _top(prof, key: str, n: int = 25) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=n)
 
 
-def _profile(run_step, steps: int) -> dict:
+def _profiler():
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+
+
+def _tables(prof) -> dict:
+    cuda = torch.cuda.is_available()
+    return {"by_cuda_time": _top(prof, "cuda_time_total") if cuda else None,
+            "by_cpu_time": _top(prof, "cpu_time_total")}
+
+
+def _profile(run_step, steps: int) -> dict:
+    with _profiler() as prof:
         for _ in range(steps):
             run_step()
         _sync()
-    return {"by_cuda_time": _top(prof, "cuda_time_total") if cuda else None, "by_cpu_time": _top(prof, "cpu_time_total")}
+    return _tables(prof)
 
 
 def main(argv=None) -> int:
@@ -89,7 +100,7 @@ def main(argv=None) -> int:
 
     log = CompileLog()
     hooks = log.install()
-    captured = {"batches": [], "times": [], "trainer": None}
+    captured = {"batches": [], "times": [], "trainer": None, "profile": None}
     original_step = transformers.Trainer.training_step
     original_train = transformers.Trainer.train
 
@@ -102,14 +113,23 @@ def main(argv=None) -> int:
 
     # the whole optimizer step: from one step's begin to the next (callbacks see both)
     class StepClock(transformers.TrainerCallback):
+        prof = None
+
         def on_step_begin(self, a, state, control, **kw):
             _sync()
             log.step = state.global_step + 1
+            if log.step == state.max_steps - args.profile_steps + 1:
+                self.prof = _profiler()
+                self.prof.__enter__()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
             _sync()
             captured["times"].append(time.perf_counter() - self.t0)
+            if self.prof is not None and state.global_step == state.max_steps:
+                self.prof.__exit__(None, None, None)
+                captured["profile"] = _tables(self.prof)
+                self.prof = None
 
     def train(self, *a, **kw):
         self.add_callback(StepClock())
@@ -137,20 +157,14 @@ def main(argv=None) -> int:
         print("no training step ran", file=sys.stderr)
         return 1
 
-    # Trainer: a few more steps under the profiler (same trainer, same data)
+    result["trainer_profile"] = captured["profile"]
     model = trainer.model
     model.train()
     batches = captured["batches"]
-    it = iter(range(10 ** 9))
+    if "--no-deltafuse" not in train_argv:
+        import deltafuse
 
-    def trainer_step():
-        batch = batches[next(it) % len(batches)]
-        trainer.training_step(model, batch)
-        trainer.optimizer.step()
-        trainer.lr_scheduler.step()
-        model.zero_grad(set_to_none=True)
-
-    result["trainer_profile"] = _profile(trainer_step, args.profile_steps)
+        deltafuse.apply(model)
 
     # plain loop on the same rows
     params = [p for p in model.parameters() if p.requires_grad]
@@ -178,12 +192,14 @@ def main(argv=None) -> int:
     result["loop_step_s"] = times
     j = iter(range(10 ** 9))
     result["loop_profile"] = _profile(lambda: loop_step(batches[next(j) % len(batches)]), args.profile_steps)
+    if "--no-deltafuse" not in train_argv:
+        deltafuse.revert()
 
     def med(xs):
         xs = sorted(xs)
         return xs[len(xs) // 2] if xs else None
 
-    steady = captured["times"][3:]
+    steady = captured["times"][3:len(captured["times"]) - args.profile_steps]  # profiled steps excluded
     result["summary"] = {
         "trainer_median_s_after_step3": med(steady), "loop_median_s": med(times[3:] or times),
         "trainer_max_after_step3": max(steady) if steady else None,
@@ -194,7 +210,7 @@ def main(argv=None) -> int:
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result["summary"], indent=2))
-    print(result["trainer_profile"]["by_cpu_time"])
+    print((result["trainer_profile"] or {}).get("by_cpu_time"))
     print(result["loop_profile"]["by_cpu_time"])
     return 0
 

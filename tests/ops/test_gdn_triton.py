@@ -227,6 +227,8 @@ GPU_CASES = [
     ("K32_V64", (2, 130, 2, 4, 32, 64), dict(h0=False, l2=True)),
     ("K64_V32", (1, 200, 2, 2, 64, 32), dict(h0=True, l2=True)),
     ("K128_V16", (1, 100, 1, 2, 128, 16), dict(h0=True, l2=True)),
+    # more sequences x value heads than a second grid axis holds (65,535): a row of 2,200 one-token sequences
+    ("many_short", (1, 2200, 4, 32, 32, 32), dict(h0=True, l2=True, cu=list(range(2201)))),
 ]
 
 
@@ -257,3 +259,10 @@ def test_chunk_fp32_gpu(K, V):
 @pytest.mark.parametrize("K,V", [(128, 128), (16, 16), (32, 64)])
 def test_recurrent_bf16_gpu(T, cu, K, V):
     _check_recurrent(1 if cu else 2, T, 16, 32, K, V, dtype=torch.bfloat16, tol=3e-3, cu=cu)
+
+
+@gpu
+@needs_cuda
+def test_recurrent_large_decode_batch_gpu():
+    """2,100 sequences x 32 value heads: more programs than a second grid axis holds."""
+    _check_recurrent(2100, 1, 4, 32, 16, 16, dtype=torch.bfloat16, tol=3e-3)

@@ -19,11 +19,11 @@ Kernels (grid axes in brackets):
   other kernels read q and k as given and apply these factors to their products, so normalised rows are
   never rounded to 16 bits or stored.
 * ``_intra_fwd``   [chunk, value head]: gc, A, T, w, u (and T itself for the backward).
-* ``_state_fwd``   [V block, sequence x value head]: the sequential pass over chunks with the state in
+* ``_state_fwd``   [V block x sequence x value head, one axis]: the sequential pass over chunks with the state in
   fp32 registers; in the forward it also writes o, in the backward it stores the chunk-start states
   (``hs``) and v'.
 * ``_dv_local``    [chunk, value head]: the intra-chunk part of dv', scale lower_incl(q k^T o D)^T do.
-* ``_state_bwd``   [V block, sequence x value head]: the reverse pass; stores the gradient of the
+* ``_state_bwd``   [V block x sequence x value head, one axis]: the reverse pass; stores the gradient of the
   state at every chunk end (``dhs``), the full gradient of v' (``dvn``) and the initial-state gradient.
 * ``_bwd_wy``      [chunk, value head]: back through w, u and T (dv, dbeta, WY parts of dk and dg).
 * ``_bwd_out``     [chunk, q/k head]: the output and state parts of dq, dk, dg; sums the value heads
@@ -210,8 +210,11 @@ def _state_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_pt
                X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """The sequential pass over chunks. WRITE_O: also the output of each chunk, from the fp32 state in
     registers (forward). STORE_HS: store the state at each chunk start and v' (backward recompute)."""
-    pid_v = tl.program_id(0)
-    pid_nh = tl.program_id(1)
+    # one grid axis, V blocks fastest (the order of the former [V block, sequence x head] grid): a second
+    # axis is limited to 65,535 programs, fewer than sequences x heads of a row of many short sequences
+    pid = tl.program_id(0)
+    pid_v = pid % ((V + BV - 1) // BV)
+    pid_nh = pid // ((V + BV - 1) // BV)
     n = pid_nh // HV
     hv = pid_nh % HV
     h = hv // (HV // H)
@@ -303,8 +306,11 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
                cu_ptr, coff_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, HAS_DHT: tl.constexpr,
                STORE_DH0: tl.constexpr, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    pid_v = tl.program_id(0)
-    pid_nh = tl.program_id(1)
+    # one grid axis, V blocks fastest (the order of the former [V block, sequence x head] grid): a second
+    # axis is limited to 65,535 programs, fewer than sequences x heads of a row of many short sequences
+    pid = tl.program_id(0)
+    pid_v = pid % ((V + BV - 1) // BV)
+    pid_nh = pid // ((V + BV - 1) // BV)
     n = pid_nh // HV
     hv = pid_nh % HV
     h = hv // (HV // H)
@@ -633,7 +639,7 @@ def _forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan):
     gc, w, u, _ = _prepare(k, rk, v, g, beta, plan, cfg, L2, False)
     o = torch.empty(TT, HV, V, device=q.device, dtype=q.dtype)
     ht = torch.empty(plan.N, HV, K, V, device=q.device, dtype=torch.float32) if want_ht else None
-    grid = (triton.cdiv(V, cfg.bv["state"]), plan.N * HV)
+    grid = (triton.cdiv(V, cfg.bv["state"]) * plan.N * HV,)
     _state_fwd[grid](q, k, rq if L2 else gc, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, gc, gc, o,
                      ht if want_ht else gc, plan.cu, plan.coff, scale, H=H, HV=HV, K=K, V=V, BK=cfg.BK,
                      BV=cfg.bv["state"], L2=L2, HAS_H0=h0 is not None, STORE_HS=False, WRITE_O=True,
@@ -654,7 +660,7 @@ def _backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0):
     rq, rk = (rq, rk) if L2 else (gc, gc)
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
     vn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
-    grid = (triton.cdiv(V, cfg.bv["state"]), plan.N * HV)
+    grid = (triton.cdiv(V, cfg.bv["state"]) * plan.N * HV,)
     _state_fwd[grid](q, k, rq, rk, w, u, gc, h0 if h0 is not None else gc, hs, vn, gc, gc, plan.cu, plan.coff,
                      scale, BV=cfg.bv["state"], HAS_H0=h0 is not None, STORE_HS=True, WRITE_O=False,
                      STORE_HT=False, **common, num_warps=cfg.nw["state"], num_stages=cfg.stages_state)

@@ -23,8 +23,11 @@ def _recurrent_fwd(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr, 
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
                    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
-    pid_v = tl.program_id(0)
-    pid_nh = tl.program_id(1)
+    # one grid axis, V blocks fastest (the order of the former [V block, sequence x head] grid): a second
+    # axis is limited to 65,535 programs, fewer than sequences x heads of a row of many short sequences
+    pid = tl.program_id(0)
+    pid_v = pid % ((V + BV - 1) // BV)
+    pid_nh = pid // ((V + BV - 1) // BV)
     n = pid_nh // HV
     hv = pid_nh % HV
     h = hv // (HV // H)
@@ -100,7 +103,7 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
     interp = triton_interpreting()
     BK = max(16, triton.next_power_of_2(K))
     BV = min(triton.next_power_of_2(V), 16 if interp else 32)
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (triton.cdiv(V, BV) * N * HV,)
     _recurrent_fwd[grid](qf, kf, vf, gf, bf, h0 if h0 is not None else o, o, ht if ht is not None else o, cu,
                          float(scale), H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=bool(use_qk_l2norm_in_kernel),
                          HAS_H0=h0 is not None, STORE_HT=ht is not None, num_warps=1 if interp else 4)

@@ -324,15 +324,41 @@ class ListDataset(torch.utils.data.Dataset):
 
 
 class PackedCollator:
-    """A batch of bins -> one padding-free row: input_ids, labels, position_ids restarting at 0 per example."""
+    """A batch of bins -> one padding-free row: input_ids, labels, position_ids restarting at 0 per example.
 
-    def __init__(self):
+    With ``row_tokens``, the row is filled up to ``row_tokens`` per bin by one more sequence of pad tokens
+    (its own positions from 0, labels ignored), so every step has the same shape: a packed row whose length
+    changes from step to step makes cuDNN attention build a new plan and Triton kernels specialise again
+    (measured on an H200: dense8 Trainer steps of 0.25 s against 0.115 s for repeated shapes). The pad sequence
+    is a sequence of its own for the GDN, conv and attention layers and adds nothing to the loss, so the
+    real sequences' loss and gradients are unchanged.
+    """
+
+    def __init__(self, pad_token_id: int | None = None, row_tokens: int | None = None):
         from transformers import DataCollatorWithFlattening
 
+        if row_tokens is not None and pad_token_id is None:
+            raise ValueError("PackedCollator: row_tokens needs a pad_token_id to fill the row with")
+        self.pad_token_id = pad_token_id
+        self.row_tokens = row_tokens
         self.flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
 
     def __call__(self, bins):
-        return self.flatten([ex for b in bins for ex in b])
+        batch = self.flatten([ex for b in bins for ex in b])
+        if self.row_tokens is None:
+            return batch
+        width = self.row_tokens * len(bins)
+        fill = width - batch["input_ids"].shape[1]
+        if fill < 0:
+            raise ValueError(f"PackedCollator: {len(bins)} bin(s) hold {batch['input_ids'].shape[1]} tokens, more "
+                             f"than row_tokens={self.row_tokens} per bin")
+        if fill:
+            pads = {"input_ids": torch.full((1, fill), self.pad_token_id, dtype=batch["input_ids"].dtype),
+                    "labels": torch.full((1, fill), IGNORE_INDEX, dtype=batch["labels"].dtype),
+                    "position_ids": torch.arange(fill, dtype=batch["position_ids"].dtype)[None]}
+            for key, pad in pads.items():
+                batch[key] = torch.cat([batch[key], pad], dim=1)
+        return batch
 
 
 class PaddedCollator:
@@ -357,5 +383,5 @@ class PaddedCollator:
 def build_dataset(examples: list[dict], seq_len: int, packing: bool, pad_token_id: int):
     """(dataset, collator) for the Trainer."""
     if packing:
-        return ListDataset(pack(examples, seq_len)), PackedCollator()
+        return ListDataset(pack(examples, seq_len)), PackedCollator(pad_token_id, seq_len)
     return ListDataset(examples), PaddedCollator(pad_token_id)

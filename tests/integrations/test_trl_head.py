@@ -54,6 +54,7 @@ def _run(model, ids, labels, weights, ent_weights):
 
 @pytest.mark.parametrize("frozen_head", [False, True], ids=["trainable_head", "frozen_head"])
 def test_tiny_model_matches_trl_and_calls_deltafuse(spy, frozen_head):
+    """A frozen head (LoRA) is served by ops.token_logprobs; a trainable one by TRL's function (faster there)."""
     torch.manual_seed(0)
     model = build_model("tiny")
     model.lm_head.weight.requires_grad_(not frozen_head)
@@ -65,7 +66,7 @@ def test_tiny_model_matches_trl_and_calls_deltafuse(spy, frozen_head):
         assert any(r.target == "trl.trainer.utils._ChunkedLogProbFunction" and r.status == "applied"
                    for r in report.rows), str(report)
         ours, g_ours = _run(model, *batch)
-    assert spy == [FIELDS]
+    assert spy == ([FIELDS] if frozen_head else [])
     assert not isinstance(trl_utils._ChunkedLogProbFunction, trl_integration.TokenLogProbFunction)  # reverted
     for name in ("loss", "log_probs", "entropy"):
         assert rel_max(getattr(ours, name), getattr(stock, name)) < 1e-4, name
@@ -144,3 +145,14 @@ def test_served_call_returns_trls_tuple(spy):
                 assert a.dtype == b.dtype and a.shape == b.shape
                 assert torch.equal(a, b) if a.dtype == torch.bool else rel_max(a, b) < 1e-5
     assert spy == [("log_probs",), ("log_probs", "is_top1"), FIELDS]
+    # a trainable head or bias: TRL's own function (faster there), the same results
+    for trainable in (weight, bias):
+        trainable.requires_grad_(True)
+        assert "trainable head" in trl_integration.trl_is_faster(weight, bias)
+        got = served.apply(hidden, weight, bias, targets, 0.8, 16, None, 1.0, FIELDS)
+        want = trl_utils._ChunkedLogProbFunction.apply(hidden, weight, bias, targets, 0.8, 16, None, 1.0, FIELDS)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
+        trainable.requires_grad_(False)
+    assert len(spy) == 3
+    with torch.no_grad():  # no backward, so nothing to be faster at: served
+        assert trl_integration.trl_is_faster(weight.requires_grad_(True), bias) is None

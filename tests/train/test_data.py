@@ -181,6 +181,21 @@ def test_packed_collator_restarts_positions_and_masks_boundaries():
     assert "attention_mask" not in batch
 
 
+def test_packed_collator_fills_rows_to_a_constant_width_with_a_sequence_of_its_own():
+    bins = [[{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}],
+            [{"input_ids": [6, 7, 8, 9], "labels": [-100, -100, 8, 9]}]]
+    batch = data.PackedCollator(pad_token_id=0, row_tokens=6)(bins)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2]]
+    assert batch["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, -100, 8, 9, -100, -100, -100]]
+    full = data.PackedCollator(pad_token_id=0, row_tokens=3)([[{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]])
+    assert full["input_ids"].tolist() == [[1, 2, 3]] and full["position_ids"].tolist() == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="more than row_tokens=2"):
+        data.PackedCollator(pad_token_id=0, row_tokens=2)(bins)
+    with pytest.raises(ValueError, match="needs a pad_token_id"):
+        data.PackedCollator(row_tokens=6)
+
+
 def test_padded_collator():
     batch = data.PaddedCollator(pad_token_id=0)([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
                                                  {"input_ids": [4], "labels": [4]}])

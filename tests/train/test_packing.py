@@ -20,11 +20,12 @@ ROWS = [{"prompt": "Ava has 3 apples and buys 4 more. How many?", "completion": 
          "completion": "20 * 3 = <<20*3=60>>60 km.\n#### 60"}]
 
 
-def batches():
+def batches(row_tokens=None):
     tok = build_byte_tokenizer()
     examples = data.encode_rows(tok, ROWS, 512, data.DataStats())
     assert len({len(e["input_ids"]) for e in examples}) == 3  # different lengths, so padding is exercised
-    return data.PackedCollator()([examples]), data.PaddedCollator(tok.pad_token_id)(examples)
+    packed = data.PackedCollator(tok.pad_token_id, row_tokens)([examples])
+    return packed, data.PaddedCollator(tok.pad_token_id)(examples)
 
 
 def make_model(name):
@@ -40,12 +41,15 @@ def loss_and_grads(model, batch):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("row_tokens", [None, 512], ids=["padding-free", "filled-to-512"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
-def test_packed_equals_padded_with_deltafuse(name):
+def test_packed_equals_padded_with_deltafuse(name, row_tokens):
     import deltafuse
 
-    packed, padded = batches()
+    packed, padded = batches(row_tokens)
     assert packed["input_ids"].shape[0] == 1 and padded["input_ids"].shape[0] == 3
+    if row_tokens:  # the row is filled by a pad sequence of its own, and it is the loss of the real ones
+        assert packed["input_ids"].shape[1] == row_tokens and packed["labels"][0, -1] == -100
     model = make_model(name)
     with deltafuse.patched(model):
         lp, gp = loss_and_grads(model, packed)

@@ -197,10 +197,27 @@ def _say(msg: str) -> None:
         log.info(msg)
 
 
+def _stock_that_runs(model, stack: contextlib.ExitStack) -> dict:
+    """Stock transformers, with its own pure-torch GDN functions where its fast path (FLA, causal-conv1d,
+    picked whenever they import) cannot run on this model's device: FLA installed on a CPU-only machine, or
+    FLA's refused GDN backward on Hopper with Triton 3.4-3.7.0. Said in the log and the summary."""
+    from deltafuse.integrations.transformers.stock import stock_fast_path_problems, stock_torch_baseline
+
+    param = next(model.parameters())
+    problems = stock_fast_path_problems(model, param.device, param.dtype, needs_grad=True)
+    if not problems:
+        return {"enabled": False, "stock": "stock"}
+    swapped = stack.enter_context(stock_torch_baseline(model))
+    reasons = sorted(set(problems.values()))
+    _say(f"stock: its fast path cannot run here ({'; '.join(reasons)}); using transformers' own pure-torch "
+         f"functions instead ({len(swapped)} place(s))")
+    return {"enabled": False, "stock": "stock-torch", "stock_reason": reasons, "stock_swapped": swapped}
+
+
 def apply_deltafuse(model, enabled: bool, stack: contextlib.ExitStack) -> dict:
     """Patch transformers for this model until ``stack`` closes (or leave it stock); the PatchReport as a dict."""
     if not enabled:
-        return {"enabled": False}
+        return _stock_that_runs(model, stack)
     import deltafuse
     from deltafuse.patching import UnsupportedModelError
 

@@ -153,3 +153,27 @@ def test_library_call_reports_through_logging_not_stdout(tmp_path, capsys, caplo
     assert [m.group(1) for m in LINE.finditer(text)] == ["1", "2"], text
     assert "deltafuse: OFF (stock transformers)" in text and "done: 2 steps" in text
     assert s["steps_run"] == 2
+
+
+def test_stock_run_with_fla_installed_on_a_cpu_box_uses_transformers_torch_functions(tmp_path):
+    """--no-deltafuse: stock picks FLA / causal-conv1d whenever they import, and their kernels cannot run on a
+    CPU-only machine; the run trains with transformers' pure-torch functions and says so."""
+    from tests.test_verify import _new_design, write_standins
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DELTAFUSE_", "TWINKLE_NPU_"))}
+    env["PYTHONPATH"] = os.pathsep.join([root, write_standins(tmp_path / "site")])
+    env["OMP_NUM_THREADS"] = "1"
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "deltafuse", "train", "--model", "tiny", "--no-deltafuse",
+                           "--max-steps", "2", "--num-examples", "16", "--seq-len", "128", "--no-progress",
+                           "--output-dir", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = summary(out)
+    assert done["steps_run"] == 2
+    if _new_design("qwen3_5"):  # 5.15+ pick FLA at import; 5.2-5.14 only with CUDA available
+        assert done["deltafuse"]["stock"] == "stock-torch"
+        assert "FLA's kernels need a CUDA device" in " ".join(done["deltafuse"]["stock_reason"])
+        assert "using transformers' own pure-torch functions" in proc.stdout
+    else:
+        assert done["deltafuse"]["stock"] == "stock"

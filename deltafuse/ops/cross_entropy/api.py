@@ -46,6 +46,37 @@ def _check_num_items(num_items_in_batch, reduction):
                    f"got {num_items_in_batch!r}")
 
 
+def _head_inputs(hidden, weight, bias, targets, targets_name: str, kwargs: dict):
+    """Checks shared by the linear-head ops: (hidden, weight, bias) after autocast's cast, and the backend."""
+    backend = kwargs.pop("backend", None)
+    if kwargs:
+        check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
+    check.tensor("hidden", hidden)
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        check.fail(f"hidden must be [..., H] with H > 0, got shape {check.shape(hidden)}")
+    H = hidden.shape[-1]
+    check.tensor("weight", weight, 2)
+    if weight.shape[1] != H or weight.shape[0] == 0:
+        check.fail(f"weight must be [V, H] = [V, {H}] with V > 0 for hidden of shape {check.shape(hidden)}, "
+                   f"got {check.shape(weight)}")
+    amp = _amp.autocast_dtype(hidden.device.type)
+    hidden, weight, bias = _amp.cast_as_linear(amp, hidden, weight, bias)
+    if weight.dtype != hidden.dtype:
+        under = f" (after autocast's cast to {amp})" if amp is not None else ""
+        check.fail(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}{under}; they must match "
+                   f"(as for nn.Linear)")
+    V = weight.shape[0]
+    if bias is not None:
+        check.tensor("bias", bias, 1)
+        if bias.shape[0] != V or bias.dtype != hidden.dtype:
+            check.fail(f"bias must be [V] = ({V},) of dtype {hidden.dtype}, got {check.shape(bias)} {bias.dtype}")
+    check.tensor(targets_name, targets, dtypes=_INT_DTYPES)
+    if targets.shape != hidden.shape[:-1]:
+        check.fail(f"{targets_name} must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
+                   f"got {check.shape(targets)}")
+    return hidden, weight, bias, backend
+
+
 @check.public_op(FUSED_LINEAR_CROSS_ENTROPY)
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                                bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
@@ -83,32 +114,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     fp32 gradients through the cast), and the loss is computed as for inputs of that dtype: logits in it,
     softmax in fp32, loss fp32.
     """
-    backend = kwargs.pop("backend", None)
-    if kwargs:
-        check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
-    check.tensor("hidden", hidden)
-    if hidden.dim() < 1 or hidden.shape[-1] == 0:
-        check.fail(f"hidden must be [..., H] with H > 0, got shape {check.shape(hidden)}")
-    H = hidden.shape[-1]
-    check.tensor("weight", weight, 2)
-    if weight.shape[1] != H or weight.shape[0] == 0:
-        check.fail(f"weight must be [V, H] = [V, {H}] with V > 0 for hidden of shape {check.shape(hidden)}, "
-                   f"got {check.shape(weight)}")
-    amp = _amp.autocast_dtype(hidden.device.type)
-    hidden, weight, bias = _amp.cast_as_linear(amp, hidden, weight, bias)
-    if weight.dtype != hidden.dtype:
-        under = f" (after autocast's cast to {amp})" if amp is not None else ""
-        check.fail(f"fused_linear_cross_entropy: weight has dtype {weight.dtype} but hidden has {hidden.dtype}"
-                   f"{under}; they must match (as for nn.Linear)")
-    V = weight.shape[0]
-    if bias is not None:
-        check.tensor("bias", bias, 1)
-        if bias.shape[0] != V or bias.dtype != hidden.dtype:
-            check.fail(f"bias must be [V] = ({V},) of dtype {hidden.dtype}, got {check.shape(bias)} {bias.dtype}")
-    check.tensor("labels", labels, dtypes=_INT_DTYPES)
-    if labels.shape != hidden.shape[:-1]:
-        check.fail(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
-                   f"got {check.shape(labels)}")
+    hidden, weight, bias, backend = _head_inputs(hidden, weight, bias, labels, "labels", kwargs)
+    H, V = hidden.shape[-1], weight.shape[0]
     if not isinstance(shift, bool):
         check.fail(f"shift must be True or False, got {shift!r}")
     if shift and labels.dim() < 1:
@@ -191,32 +198,8 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     'triton' or 'torch'. Autocast: as ``fused_linear_cross_entropy`` (inputs cast as for a linear layer, then
     computed in that dtype with fp32 statistics), which is also how TRL's function projects under autocast.
     """
-    backend = kwargs.pop("backend", None)
-    if kwargs:
-        check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
-    check.tensor("hidden", hidden)
-    if hidden.dim() < 1 or hidden.shape[-1] == 0:
-        check.fail(f"hidden must be [..., H] with H > 0, got shape {check.shape(hidden)}")
-    H = hidden.shape[-1]
-    check.tensor("weight", weight, 2)
-    if weight.shape[1] != H or weight.shape[0] == 0:
-        check.fail(f"weight must be [V, H] = [V, {H}] with V > 0 for hidden of shape {check.shape(hidden)}, "
-                   f"got {check.shape(weight)}")
-    amp = _amp.autocast_dtype(hidden.device.type)
-    hidden, weight, bias = _amp.cast_as_linear(amp, hidden, weight, bias)
-    if weight.dtype != hidden.dtype:
-        under = f" (after autocast's cast to {amp})" if amp is not None else ""
-        check.fail(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}{under}; they must match "
-                   f"(as for nn.Linear)")
-    V = weight.shape[0]
-    if bias is not None:
-        check.tensor("bias", bias, 1)
-        if bias.shape[0] != V or bias.dtype != hidden.dtype:
-            check.fail(f"bias must be [V] = ({V},) of dtype {hidden.dtype}, got {check.shape(bias)} {bias.dtype}")
-    check.tensor("targets", targets, dtypes=_INT_DTYPES)
-    if targets.shape != hidden.shape[:-1]:
-        check.fail(f"targets must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
-                   f"got {check.shape(targets)}")
+    hidden, weight, bias, backend = _head_inputs(hidden, weight, bias, targets, "targets", kwargs)
+    H, V = hidden.shape[-1], weight.shape[0]
     if not (math.isfinite(temperature) and temperature > 0):
         check.fail(f"temperature must be a finite number > 0, got {temperature!r}")
     want_entropy, want_top1 = _check_outputs(outputs)

@@ -288,7 +288,6 @@ def check_args(args) -> None:
 def run_e2e(args) -> dict:
     from deltafuse.train import data as data_mod
     from deltafuse.train import setup
-    from deltafuse.train.trainer import prepare_output_dir
 
     from deltafuse.train.trainer import resolve_defaults
 
@@ -297,16 +296,20 @@ def run_e2e(args) -> dict:
     resolve_defaults(args)
     if args.data is not None:  # fail here, once, rather than in the first child
         data_mod.load_jsonl(args.data, skip_bad_rows=args.skip_bad_rows)
-    prepare_output_dir(args.output_dir, overwrite=args.overwrite, resume=None)
-    runs = [run for run, _ in RUNS] + list(args.peers)
-    for name in [peers_mod.run_dir_name(r) for r in peers_mod.PEERS] + ["off", "on", "e2e.md", "e2e.json", "e2e.png"]:
-        path = os.path.join(args.output_dir, name)
-        if args.overwrite and os.path.exists(path):
-            import shutil
+    from deltafuse.train.outdir import plan_output_dir, replacing
 
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    plan = plan_output_dir(args.output_dir, overwrite=args.overwrite, resume=None)  # refuses without --overwrite
+    names = [peers_mod.run_dir_name(r) for r in peers_mod.PEERS] + ["off", "on", "e2e.md", "e2e.json", "e2e.png"]
+    previous = list(dict.fromkeys(plan.replace + [n for n in names if os.path.lexists(
+        os.path.join(args.output_dir, n))])) if args.overwrite else []
     os.makedirs(args.output_dir, exist_ok=True)
+    # a previous benchmark is set aside, deleted once this one has finished, put back if it fails
+    with replacing(args.output_dir, previous):
+        return _run_all(args)
 
+
+def _run_all(args) -> dict:
+    runs = [run for run, _ in RUNS] + list(args.peers)
     commands, records, summaries, wall, status, reports = {}, {}, {}, {}, {}, {}
     for run in runs:
         name = peers_mod.LABELS[run]

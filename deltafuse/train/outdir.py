@@ -290,15 +290,3 @@ def replacing(output_dir: str, names: list[str]):
         os.rmdir(aside)
         raise
     shutil.rmtree(aside)
-
-
-def prepare_output_dir(output_dir: str, *, overwrite: bool, resume: str | None, main: bool = True) -> str | None:
-    """Check the output directory and, with --overwrite, delete a previous run at once; returns the checkpoint.
-
-    For callers that have validated everything else already (``bench e2e``); ``deltafuse train`` itself
-    uses ``plan_output_dir`` and ``replacing``, which keep the previous run until the new one has finished.
-    """
-    plan = plan_output_dir(output_dir, overwrite=overwrite, resume=resume, main=main)
-    for name in plan.replace:
-        _remove(os.path.join(output_dir, name))
-    return plan.resume_from

@@ -31,7 +31,7 @@ from deltafuse.train import data as data_mod
 from deltafuse.train import hfargs, setup
 from deltafuse.train.errors import TrainInputError
 from deltafuse.train.outdir import (ARTIFACTS, CHECKPOINT_RE, OutputPlan, checkpoints,  # noqa: F401 (re-exported)
-                                    plan_output_dir, prepare_output_dir, read_metrics, replacing)
+                                    plan_output_dir, read_metrics, replacing)
 
 
 

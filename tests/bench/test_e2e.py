@@ -11,7 +11,17 @@ from deltafuse.bench import e2e
 from deltafuse.bench.cli import main
 
 
-def test_bench_e2e_writes_table_json_and_png(tmp_path, capsys):
+def _snapshot(root):
+    out = {}
+    for base, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(base, name)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, root)] = fh.read()
+    return out
+
+
+def test_bench_e2e_writes_table_json_and_png(tmp_path, capsys, monkeypatch):
     out = str(tmp_path / "bench")
     rc = main(["e2e", "--model", "tiny", "--max-steps", "4", "--interval", "2", "--seq-len", "256",
                "--num-examples", "30", "--output-dir", out, "--no-progress"])
@@ -33,7 +43,7 @@ def test_bench_e2e_writes_table_json_and_png(tmp_path, capsys):
     assert res["steps"]["off"][0]["tokens"] == res["steps"]["on"][0]["tokens"]
     assert res["deltafuse_report"]["enabled"] is True
     off = json.load(open(os.path.join(out, "off", "summary.json")))
-    assert off["deltafuse"] == {"enabled": False}
+    assert off["deltafuse"]["enabled"] is False and off["deltafuse"]["stock"] == "stock"
     assert res["commands"]["off"].startswith("DELTAFUSE_PATCH=0 ") and res["commands"]["on"].startswith(
         "DELTAFUSE_PATCH=1 ")
     with open(os.path.join(out, "e2e.png"), "rb") as fh:
@@ -42,6 +52,12 @@ def test_bench_e2e_writes_table_json_and_png(tmp_path, capsys):
     # a second run into the same directory is refused unless --overwrite
     assert main(["e2e", "--max-steps", "4", "--interval", "2", "--output-dir", out]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+    # --overwrite whose runs fail keeps the previous benchmark, byte for byte
+    before = _snapshot(out)
+    monkeypatch.setattr(e2e.subprocess, "call", lambda *a, **k: 1)
+    assert main(["e2e", "--model", "tiny", "--max-steps", "4", "--interval", "2", "--seq-len", "256",
+                 "--num-examples", "30", "--output-dir", out, "--no-progress", "--overwrite"]) != 0
+    assert _snapshot(out) == before
 
 
 def test_forwarded_flags_reproduce_the_arguments():

@@ -9,8 +9,9 @@ accelerate, or an object holding it at ``.model`` / ``.module`` / ``.base_model`
 Switches (None = take the environment, see ``deltafuse.config``): ``gdn`` routes the gated delta rule and
 the causal conv1d of the GDN layers and keeps packed sequences apart; ``fused_ops`` routes the zero-centred
 and gated RMSNorms, the partial RoPE, the SwiGLU MLPs and the causal-LM loss (fused linear cross-entropy:
-with labels and gradients on, the output has ``logits=None``; pass ``deltafuse_logits=True`` to the model
-call, or call it without gradients, to get logits from the stock loss path); ``moe`` registers deltafuse's
+with labels and gradients on, the output has ``logits=None``; pass ``skip_logits=False`` (alias
+``deltafuse_logits=True``) to the model call, or call it without gradients or with ``return_dict=False``, to
+get logits from the stock loss path; ``return_token_accuracy=True`` adds ``token_accuracy``); ``moe`` registers deltafuse's
 experts function in transformers' experts interface as ``"deltafuse"`` and serves with it every experts
 module whose config selects a torch implementation (eager, grouped_mm, batched_mm). ``backend`` forces one
 backend for every op that has it ('auto' = DELTAFUSE_BACKEND); an op without a backend of that name keeps

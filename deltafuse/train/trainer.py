@@ -4,7 +4,8 @@ Why the plain ``transformers.Trainer`` and not TRL's ``SFTTrainer``: padding-fre
 things, bins of whole examples and a collator that flattens them with restarting ``position_ids``; transformers
 ships the collator (``DataCollatorWithFlattening``) and the bins are a few lines (``data.pack``). SFTTrainer
 would add TRL and ``datasets`` as dependencies and its own packing/collation layer between us and the exact
-inputs the model sees, which is what the stock-vs-deltafuse comparison must control. Everything else (DDP via
+inputs the model sees, which is what the stock-vs-deltafuse comparison must control (TRL is a test dependency
+only: ``tests/integrations/test_trl.py``). Everything else (DDP via
 accelerate/torchrun, gradient checkpointing, mixed precision, checkpoint/resume, PEFT) is the Trainer's.
 
 --output-dir receives: checkpoint-N/ (resumable: weights or adapter, optimizer, scheduler, RNG, trainer state),

@@ -211,8 +211,10 @@ def child_main(argv: list[str] | None = None) -> int:
             report["fla"] = install_fla(opts.fla_lift_hopper_guard)
         if "liger" in peers:
             report["liger"] = install_liger()
-        from deltafuse.train import setup
+        from deltafuse.train import setup, trainer
         from deltafuse.train.cli import main as train_main
+
+        trainer.STOCK_TORCH_FALLBACK = False  # the peer's own route, as installed, or its failure as the row
 
         device = setup.training_device()
         report["device"] = device

@@ -198,11 +198,19 @@ def _say(msg: str) -> None:
         log.info(msg)
 
 
+# `deltafuse bench e2e --peers` runs (``deltafuse.bench.peers``) turn this off: a peer run measures stock exactly
+# as installed (e.g. FLA's route with its Hopper guard lifted for timing), never a substitute under its name.
+STOCK_TORCH_FALLBACK = True
+
+
 def _stock_that_runs(model, stack: contextlib.ExitStack) -> dict:
     """Stock transformers, with its own pure-torch GDN functions where its fast path (FLA, causal-conv1d,
     picked whenever they import) cannot run on this model's device: FLA installed on a CPU-only machine, or
     FLA's refused GDN backward on Hopper with Triton 3.4-3.7.0. Said in the log and the summary."""
     from deltafuse.integrations.transformers.stock import stock_fast_path_problems, stock_torch_baseline
+
+    if not STOCK_TORCH_FALLBACK:
+        return {"enabled": False, "stock": "as installed"}
 
     param = next(model.parameters())
     problems = stock_fast_path_problems(model, param.device, param.dtype, needs_grad=True)

@@ -380,7 +380,8 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     try:
         trainer = Trainer(model=model, args=targs, train_dataset=dataset, eval_dataset=eval_dataset,
                           data_collator=collator, processing_class=tokenizer, callbacks=[logger])
-    except ValueError as exc:  # a setting the Trainer cannot run here (e.g. --fsdp without a launcher)
+    except (ValueError, RuntimeError) as exc:  # a setting the Trainer cannot run here (e.g. --fsdp without a
+        # launcher: a ValueError from transformers >= 5.10, accelerate's RuntimeError "no available devices" before)
         given = " ".join(" ".join(v) for v in hfargs.given(args))
         raise TrainInputError(f"transformers' Trainer refuses this setup{' (' + given + ')' if given else ''}: "
                               f"{' '.join(str(exc).split())}") from None

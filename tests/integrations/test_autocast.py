@@ -111,8 +111,17 @@ def _autocast_vs_stock(name, dtype, spy, device):
         if r is None:
             continue
         assert got[n].dtype == torch.float32, n  # master weights get fp32 gradients
-        mine, theirs, between = _norm_rel(got[n], r), _norm_rel(stock[n], r), _norm_rel(got[n], stock[n])
-        if not (mine <= max(1.5 * theirs + 2 * eps, floor) and between <= max(8 * eps, floor)):
+        mine = _norm_rel(got[n], r)  # asserts deltafuse's gradient is finite
+        if not torch.isfinite(stock[n]).all():  # stock overflowed (fp16 on transformers 5.9) where we did not
+            if not mine <= 8 * eps:
+                bad.append(f"{n}: vs fp32 {mine:.2e} (stock not finite)")
+            continue
+        theirs, between = _norm_rel(stock[n], r), _norm_rel(got[n], stock[n])
+        # as close to fp32 as stock (plus three 16-bit roundings: a per-head decay parameter such as A_log sums
+        # over every token, 1.9e-2 against stock's 6.6e-3 on transformers 5.9 in bf16), and close to stock
+        # unless closer to fp32 than stock is (5.9's experts compute in bf16 under autocast: 0.18 from fp32)
+        if not (mine <= max(1.5 * theirs + 3 * eps, floor) and
+                (between <= max(8 * eps, floor) or mine <= theirs)):
             bad.append(f"{n}: vs fp32 {mine:.2e} (stock {theirs:.2e}), vs stock {between:.2e}")
     assert not bad, "gradients under autocast:\n" + "\n".join(bad)
 

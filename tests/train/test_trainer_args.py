@@ -58,9 +58,11 @@ def test_trainer_refusing_a_setup_is_one_line(tmp_path):
                            *TINY, "--fsdp", "full_shard"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "deltafuse train: error: transformers' Trainer refuses this setup (--fsdp full_shard): Using fsdp only "
-        "works in distributed training.")
+    # transformers' own words differ by version ("Using fsdp only works in distributed training." from 5.10 on,
+    # accelerate's "There are currently no available devices found ..." before)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("deltafuse train: error: transformers' Trainer refuses this setup (--fsdp full_shard): ")
+    assert "distributed training" in last or "no available devices" in last, last
     assert not out.exists()
 
 

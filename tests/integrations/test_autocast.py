@@ -118,10 +118,9 @@ def _autocast_vs_stock(name, dtype, spy, device):
             continue
         theirs, between = _norm_rel(stock[n], r), _norm_rel(got[n], stock[n])
         # as close to fp32 as stock (plus three 16-bit roundings: a per-head decay parameter such as A_log sums
-        # over every token, 1.9e-2 against stock's 6.6e-3 on transformers 5.9 in bf16), and close to stock
-        # unless closer to fp32 than stock is (5.9's experts compute in bf16 under autocast: 0.18 from fp32)
-        if not (mine <= max(1.5 * theirs + 3 * eps, floor) and
-                (between <= max(8 * eps, floor) or mine <= theirs)):
+        # over every token, 1.9e-2 against stock's 6.6e-3 on transformers 5.9 in bf16), and no further from
+        # stock than stock's own error allows (5.9's experts compute in bf16 under autocast: 0.18 from fp32)
+        if not (mine <= max(1.5 * theirs + 3 * eps, floor) and between <= max(8 * eps, 1.5 * theirs, floor)):
             bad.append(f"{n}: vs fp32 {mine:.2e} (stock {theirs:.2e}), vs stock {between:.2e}")
     assert not bad, "gradients under autocast:\n" + "\n".join(bad)
 

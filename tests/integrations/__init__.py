@@ -110,3 +110,19 @@ def assert_same_objects(before: dict, after: dict) -> None:
     assert before.keys() == after.keys()
     changed = [k for k in before if before[k] is not after[k]]
     assert not changed, f"objects not restored: {changed}"
+
+
+def count_op_calls(monkeypatch, names) -> dict[str, int]:
+    """Counts the calls into each named public deltafuse op (the adapters look the ops up at call time)."""
+    import deltafuse.ops
+
+    counts = {name: 0 for name in names}
+    for name in names:
+        real = getattr(deltafuse.ops, name)
+
+        def counting(*args, _name=name, _real=real, **kwargs):
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(deltafuse.ops, name, counting)
+    return counts

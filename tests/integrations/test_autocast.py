@@ -13,14 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import deltafuse.ops
 from deltafuse import ops, patching
 from deltafuse.models import build_model
 from deltafuse.ops.cross_entropy.naive import naive_linear_cross_entropy
 from deltafuse.ops.moe.naive import naive_moe_experts
 from deltafuse.ops.norm.naive import naive_rms_norm_gated, naive_rms_norm_zero_centered
 from tests.helpers import INTERPRETED, gpu, needs_cuda
-from tests.integrations import assert_grads_close, grads
+from tests.integrations import assert_grads_close, count_op_calls, grads
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
@@ -47,16 +46,7 @@ def _step(model, kwargs, dtype):
 
 @pytest.fixture
 def spy(monkeypatch):
-    counts = {name: 0 for name in OPS}
-    for name in OPS:
-        real = getattr(deltafuse.ops, name)
-
-        def counting(*args, _name=name, _real=real, **kwargs):
-            counts[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(deltafuse.ops, name, counting)
-    return counts
+    return count_op_calls(monkeypatch, OPS)
 
 
 @pytest.mark.parametrize("name,dtype", [("tiny", torch.bfloat16), ("tiny-moe", torch.bfloat16),

@@ -11,13 +11,12 @@ import types
 import pytest
 import torch
 
-import deltafuse.ops
 from deltafuse import patching
 from deltafuse.integrations.transformers import FAMILY_MAPS
 from deltafuse.integrations.transformers import adapters_fused as af
 from deltafuse.integrations.transformers.patcher import FamilyMap, Patcher, Route
 from deltafuse.models import build_model
-from tests.integrations import (RTOL, assert_grads_close, family_modules, grads, packed_inputs,
+from tests.integrations import (RTOL, assert_grads_close, count_op_calls, family_modules, grads, packed_inputs,
                                 per_sequence_stock, rel_max)
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -57,17 +56,7 @@ def _step(model, kwargs):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the calls into each public deltafuse op (the adapters look the ops up at call time)."""
-    counts = {name: 0 for name in OPS}
-    for name in OPS:
-        real = getattr(deltafuse.ops, name)
-
-        def counting(*args, _name=name, _real=real, **kwargs):
-            counts[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(deltafuse.ops, name, counting)
-    return counts
+    return count_op_calls(monkeypatch, OPS)
 
 
 def _expected_calls(model) -> dict[str, int]:

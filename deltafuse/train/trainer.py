@@ -316,6 +316,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         eval_rows = data_mod.load_jsonl(args.eval_data, skip_bad_rows=args.skip_bad_rows, flag="--eval-data")
     device = setup.training_device()
     dtype = setup.resolve_dtype(args.dtype, device)
+    _check_fsdp(args, device)
     targs = _training_arguments(args, device, dtype, evaluating=eval_rows is not None)
 
     from transformers import set_seed
@@ -340,6 +341,9 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
             setattr(model.config, key, value)
             if getattr(model, "generation_config", None) is not None:
                 setattr(model.generation_config, key, value)
+    if targs.fsdp:  # FSDP wraps the decoder layers this model has (its _no_split_modules name absent ones too)
+        targs = _training_arguments(args, device, dtype, evaluating=eval_rows is not None,
+                                    fsdp_layers=decoder_layer_classes(model))
     patch_info = apply_deltafuse(model, enabled, stack)
     moe = bool(setup.expert_parameters(model))  # before PEFT renames the expert parameters
     full = args.mode == "full"
@@ -370,7 +374,13 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     from transformers import PrinterCallback, ProgressCallback, Trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and "ddp_find_unused_parameters" not in hfargs.trainer_overrides(args):
+    if world == 1 and targs.n_gpu > 1:
+        # one process that sees several GPUs: the Trainer would wrap the model in torch.nn.DataParallel (one
+        # thread per GPU, deprecated by torch); train on the first GPU and say how to use them all
+        _say(f"this process sees {targs.n_gpu} GPUs and trains on {device} only; to train on all of them launch "
+             f"one process per GPU: torchrun --nproc_per_node {targs.n_gpu} -m deltafuse.train ...")
+        targs._n_gpu = 1  # what transformers' Trainer itself sets for a model it must not replicate
+    if world > 1 and not targs.fsdp and "ddp_find_unused_parameters" not in hfargs.trainer_overrides(args):
         targs.ddp_find_unused_parameters = moe and (full or args.lora_experts)
     Logger = _make_callback()
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
@@ -418,7 +428,9 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         "dtype": str(dtype).replace("torch.", ""),
         "deltafuse": patch_info, "packing": args.packing, "seq_len": args.seq_len, "batch_size": args.batch_size,
         "world_size": world, "distributed_type": str(trainer.accelerator.distributed_type),
-        "wrapped_model": type(trainer.model_wrapped).__name__, "max_steps": args.max_steps, "lr": lr, "seed": args.seed,
+        "wrapped_model": type(trainer.model_wrapped).__name__,
+        "fsdp_config": dict(targs.fsdp_config) if targs.fsdp else None, "max_steps": args.max_steps, "lr": lr,
+        "seed": args.seed,
         "gradient_checkpointing": args.gradient_checkpointing, "trainable_parameters": trainable,
         "total_parameters": total, "data": asdict(stats), "steps_run": len(records),
         "final_loss": records[-1]["loss"] if records else None, "train_runtime_s": elapsed,
@@ -438,9 +450,46 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     return summary
 
 
-def _training_arguments(args, device: str, dtype: torch.dtype, *, evaluating: bool):
+def decoder_layer_classes(model) -> list[str]:
+    """The class names of the model's ``_no_split_modules`` that it really contains (a text-only Qwen3.5 model
+    names its vision block too, which accelerate's FSDP wrapping refuses to look for in vain)."""
+    wanted = set(getattr(model, "_no_split_modules", None) or ())
+    return sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in wanted})
+
+
+def _fsdp_config(overrides: dict, args, layers: list[str] | None) -> dict | None:
+    """The fsdp_config for the Trainer: the user's (a JSON file, as transformers reads it) or deltafuse's
+    default, with the decoder layers to wrap filled in when it names none."""
+    given = overrides.get("fsdp_config")
+    if given is None:
+        # FSDP2 (fully_shard per decoder layer, then the model) on every transformers version (5.2-5.19 default
+        # to FSDP1); --gradient-checkpointing as FSDP's own activation checkpointing of those layers (the
+        # Trainer's would all-gather each layer's parameters again in backward)
+        cfg = {"version": 2, "activation_checkpointing": bool(args.gradient_checkpointing)}
+    else:
+        if args.gradient_checkpointing:
+            raise TrainInputError("--gradient-checkpointing with --fsdp_config: set \"activation_checkpointing\": "
+                                  "true in the FSDP config instead (FSDP checkpoints the layers it wraps)")
+        if layers is None or not isinstance(given, str):
+            return None  # transformers reads and checks it
+        try:
+            with open(given, encoding="utf-8") as fh:
+                cfg = json.load(fh)
+            if not isinstance(cfg, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            raise TrainInputError(f"--fsdp_config {given!r}: cannot be read as a JSON object ({exc})") from None
+    named = cfg.get("transformer_layer_cls_to_wrap", cfg.get("fsdp_transformer_layer_cls_to_wrap"))
+    if layers and not named and cfg.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP") == "TRANSFORMER_BASED_WRAP":
+        cfg["transformer_layer_cls_to_wrap"] = layers
+    return cfg
+
+
+def _training_arguments(args, device: str, dtype: torch.dtype, *, evaluating: bool,
+                        fsdp_layers: list[str] | None = None):
     """deltafuse's TrainingArguments, then the transformers fields given on the command line (checked here,
-    before anything heavy: a bad value or combination is a TrainInputError)."""
+    before anything heavy: a bad value or combination is a TrainInputError). ``fsdp_layers``: the decoder layer
+    classes FSDP wraps, once the model is built."""
     from transformers import TrainingArguments
 
     overrides = hfargs.trainer_overrides(args)
@@ -449,6 +498,7 @@ def _training_arguments(args, device: str, dtype: torch.dtype, *, evaluating: bo
         shown = (f"--eval_strategy {overrides['eval_strategy']}" if "eval_strategy" in overrides
                  else "--eval_on_start")
         raise TrainInputError(f"{shown} needs held-out rows: pass --eval-data JSONL")
+    fsdp = _fsdp_requested(overrides)
     kwargs = dict(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.lr if args.lr is not None else default_lr(args.model, args.mode == "full"),
@@ -459,15 +509,43 @@ def _training_arguments(args, device: str, dtype: torch.dtype, *, evaluating: bo
         report_to="none", disable_tqdm=True, log_level="warning", dataloader_num_workers=0,
         remove_unused_columns=False, include_num_input_tokens_seen="non_padding", prediction_loss_only=True,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu=not device.startswith("cuda"),
-        **_checkpointing_args(TrainingArguments, args.gradient_checkpointing),
+        **_checkpointing_args(TrainingArguments, args.gradient_checkpointing and not fsdp),
     )
     kwargs.update(overrides)
+    if fsdp:
+        cfg = _fsdp_config(overrides, args, fsdp_layers)
+        if cfg is not None:
+            kwargs["fsdp_config"] = cfg
     try:
         return TrainingArguments(**kwargs)
     except (ValueError, TypeError, ImportError) as exc:
         given = " ".join(" ".join(v) for v in hfargs.given(args))
         raise TrainInputError(f"transformers refuses these training arguments ({given or 'defaults'}): "
                               f"{' '.join(str(exc).split())}") from None
+
+
+def _fsdp_requested(overrides: dict) -> bool:
+    """--fsdp given with a value that turns FSDP on (transformers' options such as ``full_shard``)."""
+    value = overrides.get("fsdp")
+    if isinstance(value, (list, tuple)):
+        value = " ".join(map(str, value))
+    return bool(value) and str(value).strip().lower() not in ("", "false", "no", "0", "off")
+
+
+def _check_fsdp(args, device: str) -> None:
+    """FSDP runs where accelerate runs it: several processes on accelerators. Elsewhere the Trainer would train
+    without sharding (DDP on CPU, one plain process on one GPU) under a flag that says FSDP: refused."""
+    overrides = hfargs.trainer_overrides(args)
+    if not _fsdp_requested(overrides):
+        return
+    shown = f"--fsdp {overrides['fsdp']}"
+    if not device.startswith("cuda"):
+        raise TrainInputError(f"{shown}: FSDP needs GPUs (accelerate shards on accelerators only; on {device} "
+                              "this launch would train unsharded with DDP); leave --fsdp out on CPU")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        raise TrainInputError(f"{shown}: FSDP shards across several processes, this is one (WORLD_SIZE={world}); "
+                              "launch with torchrun --nproc_per_node N -m deltafuse.train ... or accelerate launch")
 
 
 def _checkpointing_args(targs_cls, enabled: bool) -> dict:

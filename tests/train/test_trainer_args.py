@@ -50,20 +50,89 @@ def test_refused_trainer_arguments_are_one_line(argv, needle, tmp_path, capsys, 
     assert not out.exists()
 
 
-def test_trainer_refusing_a_setup_is_one_line(tmp_path):
-    """A process of its own: transformers' logger keeps the stderr of the test that first imported it."""
+def test_trainer_refusing_a_setup_is_one_line(tmp_path, monkeypatch, capsys):
+    """A setting that transformers' Trainer itself refuses when it is built is one line naming the flags given."""
+    import transformers
+
+    def refuse(self, *args, **kwargs):
+        raise ValueError("Using fsdp only works in distributed training.\n(second line)")
+
+    monkeypatch.setattr(transformers.Trainer, "__init__", refuse)
+    out = tmp_path / "out"
+    rc = main(["--output-dir", str(out), "--max-steps", "2", *TINY, "--weight_decay", "0.1"])
+    last = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(last) == 1, last
+    assert last[0] == ("deltafuse train: error: transformers' Trainer refuses this setup (--weight_decay 0.1): "
+                       "Using fsdp only works in distributed training. (second line)")
+    assert not out.exists()
+
+
+def test_fsdp_on_cpu_is_refused_before_anything_is_built(tmp_path):
+    """accelerate shards on accelerators only: on CPU the launch would train unsharded (DDP) under --fsdp."""
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-m", "deltafuse.train", "--output-dir", str(out), "--max-steps", "2",
                            *TINY, "--fsdp", "full_shard"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    # transformers' own words differ by version ("Using fsdp only works in distributed training." from 5.10 on,
-    # accelerate's "There are currently no available devices found ..." before)
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("deltafuse train: error: transformers' Trainer refuses this setup (--fsdp full_shard): ")
-    assert "distributed training" in last or "no available devices" in last, last
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "deltafuse train: error: --fsdp full_shard: FSDP needs GPUs (accelerate shards on accelerators only; on "
+        "cpu this launch would train unsharded with DDP); leave --fsdp out on CPU")
     assert not out.exists()
+
+
+def test_fsdp_in_one_process_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(setup, "training_device", lambda: "cuda")
+    monkeypatch.setattr(setup, "load_model_and_tokenizer",
+                        lambda *a, **k: pytest.fail("the model was built before the input was refused"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "out"
+    assert main(["--output-dir", str(out), "--max-steps", "2", *TINY, "--fsdp", "full_shard"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "deltafuse train: error: --fsdp full_shard: FSDP shards across several processes, this is one "
+        "(WORLD_SIZE=1); launch with torchrun --nproc_per_node N -m deltafuse.train ... or accelerate launch")
+    assert not out.exists()
+
+
+def _parsed(argv):
+    import argparse
+
+    from deltafuse.train.cli import add_arguments
+    from deltafuse.train.trainer import resolve_defaults
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    resolve_defaults(args)
+    return args
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fsdp_defaults_to_fsdp2_with_its_own_activation_checkpointing(tmp_path, checkpointing):
+    """Without --fsdp_config: FSDP2 on every transformers version (5.2-5.19 default to FSDP1), and
+    --gradient-checkpointing as FSDP's activation checkpointing instead of the Trainer's."""
+    from deltafuse.train.trainer import _training_arguments
+
+    argv = ["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard"]
+    args = _parsed(argv + (["--gradient-checkpointing"] if checkpointing else []))
+    targs = _training_arguments(args, "cpu", torch.float32, evaluating=False)
+    assert targs.fsdp_config["version"] == 2
+    assert bool(targs.fsdp_config["activation_checkpointing"]) is checkpointing
+    trainer_own = getattr(targs, "activation_checkpointing", None) or targs.gradient_checkpointing
+    assert not trainer_own
+
+
+def test_fsdp_with_its_own_config_and_gradient_checkpointing_is_refused(tmp_path):
+    from deltafuse.train.errors import TrainInputError
+    from deltafuse.train.trainer import _training_arguments
+
+    cfg = tmp_path / "fsdp.json"
+    cfg.write_text(json.dumps({"version": 2}))
+    args = _parsed(["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard", "--fsdp_config", str(cfg),
+                    "--gradient-checkpointing"])
+    with pytest.raises(TrainInputError, match=r'^--gradient-checkpointing with --fsdp_config: set '
+                                              r'"activation_checkpointing": true in the FSDP config instead'):
+        _training_arguments(args, "cpu", torch.float32, evaluating=False)
 
 
 def test_trainer_arguments_reach_the_trainer(tmp_path, capsys):
@@ -108,3 +177,30 @@ def test_bench_e2e_forwards_trainer_arguments():
         fwd[-5:] == ["--report_to", "tensorboard", "wandb", "--gradient_accumulation_steps", "4"])
     again = e2e.train_parser().parse_args(fwd)
     assert vars(again) == vars(args)
+
+
+@pytest.mark.parametrize("family, layer", [("tiny", "Qwen3_5DecoderLayer"), ("tiny-moe", "Qwen3_5MoeDecoderLayer"),
+                                           ("tiny-next", "Qwen3NextDecoderLayer")])
+def test_fsdp_wraps_the_decoder_layers_the_model_has(tmp_path, family, layer):
+    """A text-only model's _no_split_modules also names its vision block; accelerate refuses a name it cannot
+    find in the model, so FSDP is told the layers that are there (in deltafuse's config or the user's)."""
+    from deltafuse.models import build_model
+    from deltafuse.train.trainer import _training_arguments, decoder_layer_classes
+
+    model = build_model(family)
+    layers = decoder_layer_classes(model)
+    assert layers == [layer] and layer in model._no_split_modules
+    args = _parsed(["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard"])
+    targs = _training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=layers)
+    assert targs.fsdp_config["transformer_layer_cls_to_wrap"] == [layer] and targs.fsdp_config["version"] == 2
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({"version": 2, "reshard_after_forward": False}))
+    args = _parsed(["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard", "--fsdp_config", str(own)])
+    targs = _training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=layers)
+    assert targs.fsdp_config["transformer_layer_cls_to_wrap"] == [layer]
+    assert targs.fsdp_config["reshard_after_forward"] is False
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps({"version": 2, "transformer_layer_cls_to_wrap": ["Something"]}))
+    args = _parsed(["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard", "--fsdp_config", str(named)])
+    targs = _training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=layers)
+    assert targs.fsdp_config["transformer_layer_cls_to_wrap"] == ["Something"]  # the user's choice stands

@@ -85,8 +85,6 @@ def build_cases(sizes: Sizes, dtype: torch.dtype, ops: list[str], use_liger: boo
     """Cases with their implementations; imports of GPU-only code happen here (call on the GPU machine)."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
-    from deltafuse import backends
-    from deltafuse.backends import norm as norm_rows, rope as rope_rows, swiglu as swiglu_rows
     from deltafuse.ops.norm import api as norm_api
     from deltafuse.ops.norm.kernel import rms_norm_gated_triton, rms_norm_zero_centered_triton
     from deltafuse.ops.rope import api as rope_api
@@ -94,10 +92,6 @@ def build_cases(sizes: Sizes, dtype: torch.dtype, ops: list[str], use_liger: boo
     from deltafuse.ops.rope.kernel import apply_rotary_pos_emb_triton
     from deltafuse.ops.swiglu.kernel import swiglu_triton
 
-    for rows_mod, op_name in ((norm_rows, norm_rows.RMS_NORM), (rope_rows, rope_rows.ROPE),
-                              (swiglu_rows, swiglu_rows.SWIGLU)):
-        if op_name not in backends.REGISTRY.ops:  # until the lead's _register_all registers them
-            rows_mod.register(backends.REGISTRY)
     notes = {"deltafuse": "public op (argument checks + registry lookup, backend='triton'); "
                           "'deltafuse kernel' calls the Triton autograd function directly"}
     liger_ok = False

@@ -22,6 +22,8 @@ labelled "fla (guard off)" and their correctness column shows what that backward
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
 
-from deltafuse.ops.gated_delta import chunk as chunk_mod  # noqa: E402
+from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
 
 SHAPES = [(1, 4096, 16, 32, 128), (1, 16384, 16, 32, 128), (8, 2048, 16, 32, 128), (1, 65536, 16, 32, 128)]
@@ -99,17 +101,19 @@ def torch_ref(q, k, v, g, beta, cu_seqlens=None):
     return chunk_gated_delta_rule_torch(q, k, v, g, beta, q.shape[-1] ** -0.5, None, False, True, cu_seqlens)[0]
 
 
-def load_fla():
+def load_fla(guards: contextlib.ExitStack):
+    """FLA's chunked op, with its Hopper guard lifted (timing only) until ``guards`` closes."""
     try:
         import fla  # noqa: F401
         import fla.ops.common.chunk_o as fla_chunk_o
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as e:  # noqa: BLE001
         return None, f"fla not importable: {type(e).__name__}: {e}"
-    guard_off = False
-    if getattr(fla_chunk_o, "IS_NVIDIA_HOPPER", False):
-        fla_chunk_o.IS_NVIDIA_HOPPER = False  # timing only: FLA refuses this backward on this stack
-        guard_off = True
+    guard_off = bool(getattr(fla_chunk_o, "IS_NVIDIA_HOPPER", False))
+    if guard_off:  # timing only: FLA refuses this backward on this stack
+        saved = fla_chunk_o.IS_NVIDIA_HOPPER
+        fla_chunk_o.IS_NVIDIA_HOPPER = False
+        guards.callback(setattr, fla_chunk_o, "IS_NVIDIA_HOPPER", saved)
 
     def fla_fn(q, k, v, g, beta, cu_seqlens=None):
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
@@ -210,13 +214,12 @@ def breakdown(shape, iters=10):
     for it in range(iters + 2):
         marks.clear()
         prefix[0] = "f:"
-        chunk_mod.STAGE_HOOK = hook
-        hook("start")
-        o = ours(*xs)
-        prefix[0] = "b:"
-        hook("start")
-        torch.autograd.backward(o, do)
-        chunk_mod.STAGE_HOOK = None
+        with chunk_mod.configured(stage_hook=hook):
+            hook("start")
+            o = ours(*xs)
+            prefix[0] = "b:"
+            hook("start")
+            torch.autograd.backward(o, do)
         torch.cuda.synchronize()
         for x in xs:
             x.grad = None
@@ -226,7 +229,6 @@ def breakdown(shape, iters=10):
             if n1.endswith("start"):
                 continue
             per.setdefault(n1, []).append(e0.elapsed_time(e1))
-    chunk_mod.STAGE_HOOK = None
     return {n: sorted(v)[len(v) // 2] for n, v in per.items()}
 
 
@@ -244,6 +246,33 @@ def stack():
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
+def time_impl(name, fn, label, shapes, check_shape, args, results):
+    """Correctness at ``check_shape``, then the timing rows of one implementation (appended to results)."""
+    try:
+        errs, ok = correctness(fn, check_shape)
+    except Exception as e:  # noqa: BLE001
+        errs, ok = {"error": f"{type(e).__name__}: {e}"[:300]}, False
+    print(f"{name}: correctness at {check_shape}: {'PASS' if ok else 'FAIL'} {errs}", flush=True)
+    for shape in shapes:
+        row = {"impl": name, "label": label, "shape": shape, "correct": ok, "errors": errs}
+        B, T = shape[:2]
+        if name == "hf" and B * T > args.hf_max_tokens:
+            row["skipped"] = f"B*T={B * T} > {args.hf_max_tokens}: the torch fallback would take minutes"
+        elif name.startswith("ours[") and shape != shapes[0]:
+            continue
+        else:
+            try:
+                t_f, t_fb, peak = timing(fn, shape, args.rep_ms if name != "hf" else 50)
+                row.update(fwd_ms=t_f, fwdbwd_ms=t_fb, peak_gib=peak / 2**30)
+            except torch.cuda.OutOfMemoryError as e:
+                row["skipped"] = f"OOM: {str(e)[:120]}"
+            except Exception as e:  # noqa: BLE001
+                row["skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
+            torch.cuda.empty_cache()
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -252,8 +281,8 @@ def main():
     ap.add_argument("--rep-ms", type=int, default=200)
     ap.add_argument("--shapes", default="all", help="'all' or indices into the reference list, e.g. 0,1")
     ap.add_argument("--check-shape", default="1,1024,16,32,128", help="B,T,H,HV,D for the correctness check")
-    ap.add_argument("--variants", default="", help="semicolon-separated OPTIONS overrides for extra rows of "
-                    "ours, e.g. 'f32_dots=1;state_dtype=fp32,inter_dtype=fp32'")
+    ap.add_argument("--variants", default="", help="semicolon-separated ChunkOptions overrides for extra rows "
+                    "of ours, e.g. 'fwd_x2=0;fwd_store=fp32,bwd_store=fp32'")
     ap.add_argument("--breakdown", default="", help="shape indices for a per-stage timing of ours, e.g. 0,1")
     ap.add_argument("--skip", default="", help="comma list of impls to skip: hf,fla,ours,ref")
     ap.add_argument("--packed", default="one,all1,u1-16,mix",
@@ -278,19 +307,27 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
 
     impls = []
-    base_opts = dict(chunk_mod.OPTIONS)
+    stack_guard = contextlib.ExitStack()
+    base_opts = chunk_mod.DEFAULT_OPTIONS
     if "ours" not in skip:
-        impls.append(("ours", ours, "deltafuse triton", {}))
+        impls.append(("ours", ours, "deltafuse triton", base_opts))
     for spec in filter(None, args.variants.split(";")):
         over = {}
         for kv in spec.split(","):
-            key, val = kv.split("=")
-            old = base_opts[key]
+            key, _, val = kv.partition("=")
+            if not hasattr(base_opts, key):
+                ap.error(f"--variants: {key!r} is not a ChunkOptions field; allowed: "
+                         f"{', '.join(f.name for f in dataclasses.fields(base_opts))}")
+            old = getattr(base_opts, key)
             over[key] = (val in ("1", "true", "True")) if isinstance(old, bool) else (
                 int(val) if isinstance(old, int) else val)
-        impls.append(("ours[" + spec + "]", ours, "deltafuse triton " + json.dumps(over), over))
+        try:
+            opts = dataclasses.replace(base_opts, **over)
+        except ValueError as e:
+            ap.error(f"--variants {spec!r}: {e}")
+        impls.append(("ours[" + spec + "]", ours, "deltafuse triton " + json.dumps(over), opts))
     if "fla" not in skip:
-        fn, label = load_fla()
+        fn, label = load_fla(stack_guard)
         impls.append(("fla", fn, label))
     if "hf" not in skip:
         fn, label = load_hf()
@@ -305,40 +342,14 @@ def main():
               ", ".join(f"{n} {t:.3f}" for n, t in bd.items()), flush=True)
     for entry in impls:
         name, fn, label = entry[:3]
-        over = entry[3] if len(entry) > 3 else None
+        opts = entry[3] if len(entry) > 3 else base_opts
         if fn is None:
             print(f"{name}: unavailable ({label})")
             results["rows"].append({"impl": name, "label": label, "unavailable": True})
             continue
-        chunk_mod.OPTIONS.clear()
-        chunk_mod.OPTIONS.update(base_opts)
-        if over:
-            chunk_mod.OPTIONS.update(over)
-        try:
-            errs, ok = correctness(fn, check_shape)
-        except Exception as e:  # noqa: BLE001
-            errs, ok = {"error": f"{type(e).__name__}: {e}"[:300]}, False
-        print(f"{name}: correctness at {check_shape}: {'PASS' if ok else 'FAIL'} {errs}", flush=True)
-        for shape in shapes:
-            row = {"impl": name, "label": label, "shape": shape, "correct": ok, "errors": errs}
-            B, T = shape[:2]
-            if name == "hf" and B * T > args.hf_max_tokens:
-                row["skipped"] = f"B*T={B * T} > {args.hf_max_tokens}: the torch fallback would take minutes"
-            elif name.startswith("ours[") and shape != shapes[0]:
-                continue
-            else:
-                try:
-                    t_f, t_fb, peak = timing(fn, shape, args.rep_ms if name != "hf" else 50)
-                    row.update(fwd_ms=t_f, fwdbwd_ms=t_fb, peak_gib=peak / 2**30)
-                except torch.cuda.OutOfMemoryError as e:
-                    row["skipped"] = f"OOM: {str(e)[:120]}"
-                except Exception as e:  # noqa: BLE001
-                    row["skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
-                torch.cuda.empty_cache()
-            results["rows"].append(row)
-            print(json.dumps(row), flush=True)
-    chunk_mod.OPTIONS.clear()
-    chunk_mod.OPTIONS.update(base_opts)
+        with chunk_mod.configured(opts):
+            time_impl(name, fn, label, shapes, check_shape, args, results)
+    stack_guard.close()  # FLA's Hopper guard back as it was
 
     # table
     by = {(r["impl"], tuple(r["shape"])): r for r in results["rows"] if "shape" in r}

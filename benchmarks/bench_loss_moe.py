@@ -107,17 +107,6 @@ def _stack() -> dict:
     return info
 
 
-def _register_ops():
-    """Make sure the registry has the loss and experts rows (added by the package once _register_all lists them)."""
-    from deltafuse.backends import REGISTRY
-    from deltafuse.backends import cross_entropy as ce_rows
-    from deltafuse.backends import moe as moe_rows
-
-    for module, op in ((ce_rows, ce_rows.FUSED_LINEAR_CROSS_ENTROPY), (moe_rows, moe_rows.MOE_EXPERTS)):
-        if op not in REGISTRY.ops:
-            module.register(REGISTRY)
-
-
 def _measure(fn, grad_to_none, rep):
     """(median ms, peak MiB above the allocation before the call) of fn (forward + backward)."""
     import triton.testing
@@ -322,7 +311,6 @@ def main(argv=None) -> int:
     import deltafuse.ops.cross_entropy  # noqa: F401  (imports must work everywhere)
     import deltafuse.ops.moe  # noqa: F401
 
-    _register_ops()
     plan = ([f"loss: tokens={t} hidden={args.hidden} vocab={args.vocab} head={args.head} "
              f"extra Triton whole-vocabulary chunks={args.chunk_sizes} vocabulary blocks="
              f"{['x'.join(map(str, b)) for b in args.blocks]}" for t in args.tokens]

@@ -7,13 +7,21 @@
 
 from __future__ import annotations
 
+from deltafuse import config as _config
+from deltafuse.backends import REGISTRY as _REGISTRY
+
 __version__ = "0.1.0"
+
+# The composition root: the backend registry fills itself from the op packages the first time it is asked,
+# and the settings take the backend names that may be forced from it.
+_REGISTRY.add_source("deltafuse.ops")
+_config.use_registry(_REGISTRY)
 
 __all__ = ["apply", "revert", "patched", "info", "PatchReport", "__version__"]
 
 
 def __getattr__(name):
-    # Lazy: `import deltafuse` stays cheap and never imports transformers until patching is asked for.
+    # Lazy: `import deltafuse` never imports transformers (nor any op) until patching is asked for.
     if name in ("apply", "revert", "patched", "PatchReport"):
         from deltafuse import patching
 

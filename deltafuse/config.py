@@ -4,18 +4,23 @@ Switches accept 1/0, true/false, yes/no, on/off (any case). Anything else raises
 the variable, the value and what is allowed. The seed project's ``TWINKLE_NPU_*`` names are accepted as
 aliases; when both spellings are set and disagree, the ``DELTAFUSE_*`` value wins and a warning says so.
 
-Every ``DELTAFUSE_*`` variable is parsed here and nowhere else: ``load_settings`` for the whole set,
-``env_switch`` / ``parse_backend`` for code that reads one of them per call (the ops, the registry).
-The backend names that may be forced are the ones registered (``deltafuse.backends``), plus ``auto``.
+Every environment variable deltafuse reads is parsed here and nowhere else: ``load_settings`` for the
+whole ``DELTAFUSE_*`` set, ``env_switch`` / ``env_backend`` for code that reads one of them per call (the
+ops, the registry), ``triton_interpreting`` for ``TRITON_INTERPRET`` (read as Triton itself reads it).
+
+The backend names that may be forced are the ones registered, plus ``auto``. This module imports no other
+deltafuse module: the package root connects the backend registry (``use_registry``), so importing any part
+of deltafuse leaves it connected.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Protocol
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -71,11 +76,28 @@ def parse_bool(name: str, value: str) -> bool:
     raise SettingsError(f"{name}={value!r} is not a switch value; allowed (any case): {allowed}")
 
 
+class BackendNames(Protocol):
+    """What settings need from the backend registry: its names, and a number that changes with them."""
+
+    version: int
+
+    def backend_names(self) -> tuple[str, ...]: ...
+
+
+_registry: list[BackendNames | None] = [None]
+
+
+def use_registry(registry: BackendNames) -> None:
+    """Take the names that may be forced from ``registry`` (the package root passes deltafuse's registry)."""
+    _registry[0] = registry
+
+
 def forceable_backends() -> tuple[str, ...]:
     """'auto' and every backend name some op has registered (in registration order)."""
-    from deltafuse.backends import REGISTRY  # the registry knows the names; imported here, not at module level
-
-    return ("auto",) + REGISTRY.backend_names()
+    registry = _registry[0]
+    if registry is None:  # only while the package root itself is being imported
+        raise RuntimeError("deltafuse.config has no backend registry yet (the deltafuse package connects it)")
+    return ("auto",) + registry.backend_names()
 
 
 def parse_backend(name: str, value) -> str:
@@ -91,6 +113,39 @@ def parse_backend(name: str, value) -> str:
     if word not in allowed:
         raise SettingsError(f"{name}={value!r} is not a backend; allowed: {', '.join(allowed)}")
     return word
+
+
+@functools.lru_cache(maxsize=16)
+def _env_backend(raw: str | None, _names_version: int) -> str:
+    return "auto" if raw is None else parse_backend("DELTAFUSE_BACKEND", raw)
+
+
+def env_backend() -> str:
+    """DELTAFUSE_BACKEND read from ``os.environ`` now: 'auto' when unset (cheap per call: parsed once per
+    distinct value and set of registered names); raises ``SettingsError`` for a name nothing registered."""
+    registry = _registry[0]
+    return _env_backend(os.environ.get("DELTAFUSE_BACKEND"), -1 if registry is None else registry.version)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_module():
+    try:
+        return importlib.import_module("triton")
+    except Exception:  # not installed, or a broken install: nothing is interpreted
+        return None
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels through its interpreter (on CPU tensors): Triton's own reading of
+    TRITON_INTERPRET (``triton.knobs.runtime.interpret``), so deltafuse and Triton never disagree; Triton
+    versions without knobs read only "1". The one place deltafuse reads it; False without Triton."""
+    triton = _triton_module()
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=64)

@@ -101,3 +101,24 @@ def test_resolve_overrides_and_rejects():
         resolve(base, gdn="yes")
     with pytest.raises(SettingsError, match="backend='gpu'"):
         resolve(base, backend="gpu")
+
+
+def test_a_candidate_registered_from_an_op_folder_makes_its_name_forceable():
+    """What an op's candidates.py does for a new backend is all it takes: the name can be forced at once."""
+    from deltafuse.backends import Candidate, current_backend
+
+    with pytest.raises(SettingsError, match="DELTAFUSE_BACKEND='xpu' is not a backend"):
+        load_settings({"DELTAFUSE_BACKEND": "xpu"})
+    REGISTRY.register("swiglu", Candidate("xpu", lambda: None, supports=lambda call: "needs an xpu device"),
+                      before="torch")
+    try:
+        assert "xpu" in forceable_backends()
+        assert load_settings({"DELTAFUSE_BACKEND": "XPU"}).backend == "xpu"
+        assert resolve(load_settings({}), backend="xpu").backend == "xpu"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DELTAFUSE_BACKEND", "xpu")
+            assert current_backend() == "xpu"
+    finally:
+        REGISTRY.unregister("swiglu", "xpu")
+    with pytest.raises(SettingsError, match="DELTAFUSE_BACKEND='xpu' is not a backend"):
+        load_settings({"DELTAFUSE_BACKEND": "xpu"})

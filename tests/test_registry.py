@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from deltafuse import backends
-from deltafuse.backends import gated_delta as gd
+from deltafuse.ops.gated_delta import candidates as gd
 from deltafuse.backends import probes
 from deltafuse.backends.registry import BackendError, CallInfo, Candidate, Registry
 
@@ -256,7 +256,7 @@ def test_global_backend_ops_without_it_keep_their_choice(monkeypatch):
 def test_triton_interpret_read_one_way(monkeypatch, word, interpreting):
     """deltafuse's registry and both GDN kernels read TRITON_INTERPRET as Triton itself does."""
     knobs = pytest.importorskip("triton").knobs
-    chunk = pytest.importorskip("deltafuse.ops.gated_delta.chunk")
+    chunk = pytest.importorskip("deltafuse.ops.gated_delta.kernel")
     monkeypatch.setenv("TRITON_INTERPRET", word)
     assert knobs.runtime.interpret is interpreting
     assert probes.triton_interpreting() is interpreting and chunk._interpreting() is interpreting
@@ -276,3 +276,104 @@ def test_validate_switch_is_parsed_where_values_are_checked(monkeypatch):
         monkeypatch.setenv("DELTAFUSE_VALIDATE", word)
         assert _checks.values_checkable(meta) is expected
     assert _checks.values_checkable(torch.zeros(1)) is True  # CPU values are always checked
+
+
+# --- layering: backends know no op; every op registers from its own folder ---------------------------------
+def _run_python(code: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_importing_backends_imports_no_op_and_asking_registers_every_op():
+    out = _run_python(
+        "import sys\n"
+        "import deltafuse.backends\n"
+        "print(sorted(m for m in sys.modules if m.startswith('deltafuse.ops')))\n"
+        "from deltafuse.config import forceable_backends\n"
+        "print(forceable_backends())\n"
+        "print(len(deltafuse.backends.REGISTRY.ops))\n")
+    ops_before, names, n_ops = out.splitlines()
+    assert ops_before == "[]"
+    assert names == "('auto', 'triton', 'fla', 'npu', 'torch', 'transformers', 'varlen')"
+    assert int(n_ops) == len(backends.REGISTRY.ops) == 13
+
+
+def test_backend_names_do_not_depend_on_the_op_module_imported_first():
+    for first in ("deltafuse.ops.swiglu.kernel", "deltafuse.ops.moe.reference", "deltafuse.ops.attention.route"):
+        out = _run_python(f"import {first}\nfrom deltafuse.backends import REGISTRY\nprint(REGISTRY.backend_names())")
+        assert out == str(backends.REGISTRY.backend_names()), first
+
+
+def test_no_backends_module_imports_an_op():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(backends.__file__).parent
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            assert not any(n.startswith("deltafuse.ops") for n in names), (path.name, names)
+
+
+# --- shape facts: a head size the Triton kernels cannot take is a refusal, not a crash ------------------
+def _gdn_call(device, K, V=32, needs_grad=True, dtype=torch.bfloat16):
+    shapes = (torch.Size([1, 8, 2, K]), torch.Size([1, 8, 2, K]), torch.Size([1, 8, 4, V]), torch.Size([1, 8, 4]),
+              torch.Size([1, 8, 4]), None)
+    return CallInfo(device, dtype, needs_grad, (), shapes)
+
+
+@pytest.mark.parametrize("op", [gd.CHUNK, gd.RECURRENT])
+def test_triton_refuses_a_head_size_over_its_limit_and_selection_falls_back(op):
+    reg = Registry()
+    gd.register(reg)
+    reg._available[(op, "fla")] = "fla is not installed"  # the same answer on every machine
+    cuda = torch.device("cuda", 0)
+    needs_grad = op == gd.CHUNK
+    fits = reg.explain(op, _gdn_call(cuda, 256, needs_grad=needs_grad))
+    assert next(d for d in fits if d.chosen).candidate == "triton"
+    too_big = {d.candidate: d for d in reg.explain(op, _gdn_call(cuda, 512, needs_grad=needs_grad))}
+    assert too_big["torch"].chosen and not too_big["triton"].chosen
+    assert "K=512" in too_big["triton"].reason and "256" in too_big["triton"].reason
+    # the cache key holds the facts: the same device and dtype gives each head size its own answer
+    torch_impl = reg.select(op, _gdn_call(cuda, 512, needs_grad=needs_grad))
+    triton_impl = reg.select(op, _gdn_call(cuda, 128, needs_grad=needs_grad))
+    assert torch_impl is not triton_impl
+    assert reg.select(op, _gdn_call(cuda, 512, needs_grad=needs_grad)) is torch_impl
+    with pytest.raises(BackendError) as err:
+        reg.select(op, _gdn_call(cuda, 512, needs_grad=needs_grad), "triton")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"backend 'triton' cannot serve {op} for cuda:0 bfloat16")
+    assert "K=512" in msg and "over 256" in msg
+
+
+@pytest.mark.parametrize("name", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
+def test_public_gdn_op_forced_triton_with_a_too_large_head_is_one_line(name):
+    import deltafuse.ops as dops
+
+    if not probes.triton_interpreting():
+        pytest.skip("CPU tensors reach the Triton candidate only under TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, HV, K, V = 1, 3, 1, 2, 320, 4
+    q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g, beta = -torch.rand(B, T, HV, generator=gen), torch.rand(B, T, HV, generator=gen)
+    op = getattr(dops, name)
+    with pytest.raises(BackendError) as err:
+        op(q, k, v, g, beta, backend="triton")
+    msg = str(err.value)
+    assert "\n" not in msg and f"cannot serve {name}" in msg and "K=320" in msg and "over 256" in msg
+    # a head size the kernel takes is served by the Triton kernel when forced
+    small = [t[..., :16].contiguous() for t in (q, k)]
+    out, _ = op(*small, v, g, beta, backend="triton")
+    ref, _ = op(*small, v, g, beta, backend="torch")
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)

@@ -1,10 +1,14 @@
-"""Which implementation serves each op: the registry and the candidates of every op."""
+"""Which implementation serves each call: the selection mechanism only (registry, probes, predicates).
+
+It knows no op. Each op declares its candidates in its own folder (``deltafuse/ops/<op>/candidates.py``) and
+registers them into ``REGISTRY`` when its package is imported; the registry imports its sources (the package
+root declares ``deltafuse.ops``) before it first answers, so every op is there whoever asks. See
+``deltafuse.backends.registry`` for the resolution order.
+"""
 
 from __future__ import annotations
 
-import functools
-import os
-
+from deltafuse import config
 from deltafuse.backends.registry import (
     REGISTRY,
     BackendError,
@@ -15,10 +19,9 @@ from deltafuse.backends.registry import (
     UnknownBackendError,
     call_info,
 )
-from deltafuse.config import parse_backend
 
 __all__ = ["REGISTRY", "BackendError", "CallInfo", "Candidate", "Decision", "Registry", "UnknownBackendError",
-           "backend_override", "call_info", "current_backend", "select", "set_backend_override"]
+           "backend_override", "call_backend", "call_info", "current_backend", "select", "set_backend_override"]
 
 _override: list[str | None] = [None]
 _call_backends: dict = {}  # (op, backend argument, registry version) -> the checked name
@@ -27,7 +30,7 @@ _call_backends: dict = {}  # (op, backend argument, registry version) -> the che
 def set_backend_override(name: str | None) -> None:
     """Force a backend for every op that has it (``apply(backend=...)``); None returns to the environment.
     An op without a backend of that name keeps its automatic choice."""
-    _override[0] = None if name is None else parse_backend("backend", name)
+    _override[0] = None if name is None else config.parse_backend("backend", name)
 
 
 def backend_override() -> str | None:
@@ -35,16 +38,11 @@ def backend_override() -> str | None:
     return _override[0]
 
 
-@functools.lru_cache(maxsize=16)
-def _parse_backend_env(raw: str | None, _names_version: int) -> str:
-    return "auto" if raw is None else parse_backend("DELTAFUSE_BACKEND", raw)
-
-
 def current_backend() -> str:
     """The forced backend in effect: apply()'s argument, else DELTAFUSE_BACKEND, else 'auto'."""
     if _override[0] is not None:
         return _override[0]
-    return _parse_backend_env(os.environ.get("DELTAFUSE_BACKEND"), REGISTRY.version)
+    return config.env_backend()
 
 
 def call_backend(op: str, backend) -> str:
@@ -77,13 +75,3 @@ def select(op: str, call: CallInfo, backend: str | None = None):
     """The implementation of ``op`` for ``call``. ``backend`` None: the global switch in effect (ops without
     that backend keep their automatic choice); else a per-call name ``op`` must have (see ``call_backend``)."""
     return REGISTRY.select(op, call, current_backend() if backend is None else call_backend(op, backend))
-
-
-def _register_all() -> None:
-    from deltafuse.backends import attention, conv1d, cross_entropy, gated_delta, moe, norm, rope, swiglu
-
-    for module in (gated_delta, conv1d, norm, rope, swiglu, cross_entropy, moe, attention):
-        module.register(REGISTRY)
-
-
-_register_all()

@@ -6,9 +6,10 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
-import os
 
 import torch
+
+from deltafuse.config import triton_interpreting  # noqa: F401  (the one reading of TRITON_INTERPRET)
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -50,18 +51,6 @@ def triton_version() -> tuple[int, ...] | None:
     import triton
 
     return version_tuple(triton.__version__)
-
-
-def triton_interpreting() -> bool:
-    """Whether Triton runs kernels through its interpreter (on CPU tensors): Triton's own reading of
-    TRITON_INTERPRET (``triton.knobs.runtime.interpret``), so deltafuse and Triton never disagree; Triton
-    versions without knobs read only "1". The one place deltafuse asks this; False without Triton."""
-    if triton_version() is None:
-        return False
-    knobs = getattr(importlib.import_module("triton"), "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from deltafuse.argtypes import int_at_least
 from deltafuse.bench import peers as peers_mod
 from deltafuse.train.errors import TrainInputError
 
@@ -234,7 +235,7 @@ def plot(records: dict[str, list[dict]], path: str, title: str) -> None:
 
 # --- the command -------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from deltafuse.train.cli import _int_at_least, add_arguments as add_train_arguments
+    from deltafuse.train.cli import add_arguments as add_train_arguments
 
     add_train_arguments(parser)
     parser.description = ("Run the same training twice in separate processes, stock transformers (OFF) then "
@@ -252,11 +253,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif action.dest in ("deltafuse", "resume"):
             action.help = "(not for bench e2e: it makes fresh OFF and ON runs)"
     g = parser.add_argument_group("benchmark")
-    g.add_argument("--interval", metavar="N", type=_int_at_least(1), default=10,
+    g.add_argument("--interval", metavar="N", type=int_at_least(1), default=10,
                    help="steps per timed interval (default: 10)")
-    g.add_argument("--warmup-intervals", metavar="N", type=_int_at_least(0), default=1,
+    g.add_argument("--warmup-intervals", metavar="N", type=int_at_least(0), default=1,
                    help="first intervals left out of the timing (warm-up, kernel compilation; default: 1)")
-    g.add_argument("--nproc-per-node", metavar="N", type=_int_at_least(1), default=1,
+    g.add_argument("--nproc-per-node", metavar="N", type=int_at_least(1), default=1,
                    help="processes per run through torch.distributed.run (DDP; default: 1 = no launcher)")
     g.add_argument("--peers", metavar="LIST", type=peers_mod.parse_peers, default=[],
                    help="also run the same training with deltafuse OFF and a peer on: none (default) or a "

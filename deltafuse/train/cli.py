@@ -7,21 +7,8 @@ import contextlib
 import logging
 import sys
 
+from deltafuse.argtypes import int_at_least as _int_at_least
 from deltafuse.train.errors import TrainInputError
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: an integer >= {low}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is too small; allowed: an integer >= {low}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
 
 
 def _positive_float(text: str) -> float:

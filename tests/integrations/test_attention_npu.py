@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from deltafuse.backends.attention import SDPA
-from deltafuse.backends import attention as attention_backends
+from deltafuse.ops.attention.candidates import SDPA
+from deltafuse.ops.attention import candidates as attention_backends
 from deltafuse.backends.registry import CallInfo, Registry
 from deltafuse.integrations.transformers import adapters_fused
 from deltafuse.ops.attention import npu as attention_npu

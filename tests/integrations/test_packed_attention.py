@@ -208,7 +208,7 @@ def test_loop_keeps_cudnn_attention_out():
 
 
 def test_route_selection():
-    from deltafuse.backends import attention as rows
+    from deltafuse.ops.attention import candidates as rows
     from deltafuse.backends.registry import CallInfo, Registry
 
     reg = Registry()

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deltafuse.backends import cross_entropy as ce_backends
+from deltafuse.ops.cross_entropy import candidates as ce_backends
 from deltafuse.backends.registry import CallInfo, Registry
-from deltafuse.ops.cross_entropy import reference
+from deltafuse.ops.cross_entropy import driver
 from deltafuse.ops.cross_entropy.naive import naive_linear_cross_entropy
 from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402
 
@@ -188,10 +188,10 @@ def test_no_grad_computes_only_the_loss():
 
     def spy(logits, targets, ignore_index, row_scale):
         calls.append(row_scale)
-        return reference.chunk_softmax_grad_torch(logits, targets, ignore_index, row_scale)
+        return driver.chunk_softmax_grad_torch(logits, targets, ignore_index, row_scale)
 
     with torch.no_grad():
-        loss, _ = reference.fused_linear_cross_entropy_chunked(hidden.reshape(-1, 8), weight, None,
+        loss, _ = driver.fused_linear_cross_entropy_chunked(hidden.reshape(-1, 8), weight, None,
                                                                labels.reshape(-1), -100, "mean", None, 4, False,
                                                                spy)
     assert calls and all(c is None for c in calls)
@@ -214,11 +214,11 @@ def test_nothing_of_size_tokens_by_vocab_is_saved_or_built():
 
     def spy(logits, targets, ignore_index, row_scale):
         shapes.append(tuple(logits.shape))
-        return reference.chunk_softmax_grad_torch(logits, targets, ignore_index, row_scale)
+        return driver.chunk_softmax_grad_torch(logits, targets, ignore_index, row_scale)
 
     targets = torch.cat([labels[0, 1:], labels.new_full((1,), -100)])
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, logits = reference.fused_linear_cross_entropy_chunked(hidden.reshape(N, H), weight, bias, targets,
+        loss, logits = driver.fused_linear_cross_entropy_chunked(hidden.reshape(N, H), weight, bias, targets,
                                                                     -100, "mean", None, chunk, False, spy)
     assert logits is None
     assert saved, "the backward must keep the precomputed gradients"
@@ -243,18 +243,18 @@ def test_vocabulary_blocks_build_nothing_wider_than_a_block(frozen):
 
     def online(logits, *args):
         shapes["online"].append(tuple(logits.shape))
-        return reference.online_block_step_torch(logits, *args)
+        return driver.online_block_step_torch(logits, *args)
 
     def grad(logits, *args):
         shapes["grad"].append(tuple(logits.shape))
-        return reference.block_grad_step_torch(logits, *args)
+        return driver.block_grad_step_torch(logits, *args)
 
     saved = []
     targets = torch.cat([labels[0, 1:], labels.new_full((1,), -100)])
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel()), t)[1], lambda t: t):
-        loss = reference.fused_linear_cross_entropy_blocked(hidden.reshape(N, H), weight, bias, targets, -100,
+        loss = driver.fused_linear_cross_entropy_blocked(hidden.reshape(N, H), weight, bias, targets, -100,
                                                             "mean", None, chunk, block,
-                                                            reference.BlockSteps(online, grad))
+                                                            driver.BlockSteps(online, grad))
     blocks = -(-V // block) * (N // chunk)
     assert len(shapes["online"]) == blocks and len(shapes["grad"]) == (0 if frozen else blocks)
     assert all(c <= chunk and w <= block for c, w in shapes["online"] + shapes["grad"])
@@ -269,7 +269,7 @@ def test_vocabulary_block_rule():
     blocks; logits always use whole-vocabulary chunks; an explicit size below V splits, one at or above V
     projects the whole vocabulary."""
     def rule(vocab, size=None, logits=False, trainable=False, triton=True):
-        return reference.blocked_vocab_chunk(vocab, size, logits, trainable, triton)
+        return driver.blocked_vocab_chunk(vocab, size, logits, trainable, triton)
 
     assert rule(248320) == 8192 and rule(8193) == 8192 and rule(8192) is None and rule(97) is None
     assert rule(248320, trainable=True) is None and rule(248320, triton=False) is None
@@ -284,12 +284,12 @@ def test_default_way_per_backend_and_head(backend, trainable, blocked, monkeypat
     """The public op's default follows the rule: vocabulary blocks for a frozen head on the Triton steps."""
     if backend == "triton":
         _kernel()
-    monkeypatch.setattr(reference, "VOCAB_CHUNK", 8)  # the test vocabulary (37) counts as large
+    monkeypatch.setattr(driver, "VOCAB_CHUNK", 8)  # the test vocabulary (37) counts as large
     hidden, weight, _, labels = _inputs(1, 6, 8, 37, seed=22)
     weight.requires_grad_(trainable)
     ways = []
-    monkeypatch.setattr(reference, "_blocked_pass", _spy(reference._blocked_pass, ways, "blocked"))
-    monkeypatch.setattr(reference, "_chunked_pass", _spy(reference._chunked_pass, ways, "chunked"))
+    monkeypatch.setattr(driver, "_blocked_pass", _spy(driver._blocked_pass, ways, "blocked"))
+    monkeypatch.setattr(driver, "_chunked_pass", _spy(driver._chunked_pass, ways, "chunked"))
     loss = _api()(hidden, weight, labels, backend=backend)
     assert ways == ["blocked" if blocked else "chunked"]
     ref = naive_linear_cross_entropy(hidden.detach().double(), weight.detach().double(), labels)
@@ -365,7 +365,7 @@ def test_triton_chunk_step_matches_torch(V):
     t = torch.randint(0, V, (6,), generator=gen).to(DEVICE)
     t[1] = -100
     scale = torch.tensor([0.5, 0.0, 0.25, 1.0, 2.0, 0.5], device=DEVICE)
-    r_ref, g_ref = reference.chunk_softmax_grad_torch(x.clone(), t, -100, scale)
+    r_ref, g_ref = driver.chunk_softmax_grad_torch(x.clone(), t, -100, scale)
     buf = x.clone()
     r, g = k.chunk_softmax_grad_triton(buf, t, -100, scale)
     assert g.data_ptr() == buf.data_ptr(), "the gradient is written over the logits in place"
@@ -397,7 +397,7 @@ def test_triton_block_steps_match_torch(w, v0, hdim):
     acc = torch.randn(6, hdim, generator=gen).to(DEVICE) if hdim else None
     ref_stats = [s.clone() for s in stats]
     ref_acc = acc.clone() if hdim else None
-    p_ref = reference.online_block_step_torch(x.clone(), t, v0, -100, *ref_stats, ref_acc)
+    p_ref = driver.online_block_step_torch(x.clone(), t, v0, -100, *ref_stats, ref_acc)
     buf = x.clone()
     p = k.online_block_step_triton(buf, t, v0, -100, *stats, acc)
     for name, got, want in zip(("max", "sum", "target logit"), stats, ref_stats):
@@ -410,7 +410,7 @@ def test_triton_block_steps_match_torch(w, v0, hdim):
         assert p is None and p_ref is None and torch.equal(buf, x)
     lse = torch.logsumexp(x, 1) + torch.rand(6, generator=gen).to(DEVICE)
     scale = torch.tensor([0.5, 0.0, 0.25, 1.0, 2.0, 0.5], device=DEVICE)
-    g_ref = reference.block_grad_step_torch(x.clone(), t, v0, -100, lse, scale)
+    g_ref = driver.block_grad_step_torch(x.clone(), t, v0, -100, lse, scale)
     buf = x.clone()
     g = k.block_grad_step_triton(buf, t, v0, -100, lse, scale)
     assert g.data_ptr() == buf.data_ptr()
@@ -556,7 +556,7 @@ def test_gpu_mixed_precision_accumulation_is_exact_in_fp32():
     b = torch.randn(512, 700, generator=gen).to("cuda", torch.bfloat16)
     acc = torch.randn(300, 700, generator=gen).to("cuda")
     want = acc.double() + a.double() @ b.double()
-    reference._add_mm(acc, a, b)
+    driver._add_mm(acc, a, b)
     assert rel_rms(acc, want) < 1e-6
 
 
@@ -617,7 +617,7 @@ def test_patched_tiny_models_equal_stock_loss_and_every_gradient(name, monkeypat
 
 def test_default_chunk_size_rule():
     """chunk * V ~ tokens * H (power of two), at least 256 tokens, at least 1,024 with a trainable head."""
-    d = reference.default_chunk_size
+    d = driver.default_chunk_size
     assert d(4096, 248320, 2048) == 256 and d(16384, 248320, 2048) == 256 and d(65536, 248320, 2048) == 1024
     assert d(65536, 248320, 4096) == 2048
     assert d(4096, 248320, 2048, trainable_head=True) == 1024

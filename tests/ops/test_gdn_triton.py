@@ -16,13 +16,14 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from deltafuse.ops.gated_delta import chunk as chunk_mod  # noqa: E402
-from deltafuse.ops.gated_delta.chunk import chunk_gated_delta_rule_triton  # noqa: E402
+from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
+from deltafuse.ops.gated_delta import kernel_fwd  # noqa: E402
+from deltafuse.ops.gated_delta.kernel import chunk_gated_delta_rule_triton  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
-from deltafuse.ops.gated_delta.recurrent import fused_recurrent_gated_delta_rule_triton  # noqa: E402
+from deltafuse.ops.gated_delta.kernel_recurrent import fused_recurrent_gated_delta_rule_triton  # noqa: E402
 from tests.helpers import DEVICE, INTERPRETED, gpu, needs_cuda, rel_rms  # noqa: E402
 
-if not torch.cuda.is_available() and not isinstance(chunk_mod._intra_fwd, triton.runtime.interpreter.InterpretedFunction):
+if not torch.cuda.is_available() and not isinstance(kernel_fwd._intra_fwd, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("no CUDA and the Triton kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
                 allow_module_level=True)
 

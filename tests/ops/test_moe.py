@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltafuse.backends import moe as moe_backends
+from deltafuse.ops.moe import candidates as moe_backends
 from deltafuse.backends.registry import CallInfo, Registry
 from deltafuse.ops.moe import reference
 from deltafuse.ops.moe.naive import naive_moe_experts

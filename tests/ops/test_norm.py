@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from deltafuse.backends import REGISTRY, norm as norm_backends  # noqa: E402
+from deltafuse.backends import REGISTRY  # noqa: E402
+from deltafuse.ops.norm import candidates as norm_backends  # noqa: E402
 from deltafuse.backends.registry import CallInfo, Registry  # noqa: E402
 from deltafuse.ops.norm import api  # noqa: E402
 from deltafuse.ops.norm.naive import naive_rms_norm_gated, naive_rms_norm_zero_centered  # noqa: E402

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from deltafuse.backends import rope as rope_backends  # noqa: E402
+from deltafuse.ops.rope import candidates as rope_backends  # noqa: E402
 from deltafuse.backends.registry import CallInfo, Registry  # noqa: E402
 from deltafuse.ops.rope import api  # noqa: E402
 from deltafuse.ops.rope.naive import naive_rotary  # noqa: E402

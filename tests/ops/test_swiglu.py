@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from deltafuse.backends import swiglu as swiglu_backends  # noqa: E402
+from deltafuse.ops.swiglu import candidates as swiglu_backends  # noqa: E402
 from deltafuse.backends.registry import CallInfo, Registry  # noqa: E402
 from deltafuse.ops.swiglu import api  # noqa: E402
 from deltafuse.ops.swiglu.naive import naive_swiglu  # noqa: E402

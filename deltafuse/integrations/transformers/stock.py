@@ -15,7 +15,7 @@ Qwen3.5-MoE and Qwen3-Next on its own, without looking at the device:
   ``self.norm`` an FLA ``FusedRMSNormGated``); a model moved to CPU keeps calling FLA.
 
 FLA can also refuse a call on CUDA: on Hopper with Triton >= 3.4, < 3.7.1 FLA 0.6 refuses the gated delta rule
-backward (deltafuse's FLA candidate knows this, ``deltafuse.backends.gated_delta.fla_backward_known_bad``).
+backward (deltafuse's FLA candidate knows this, ``deltafuse.ops.gated_delta.candidates.fla_backward_known_bad``).
 
 API:
 

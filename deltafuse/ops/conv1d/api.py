@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deltafuse import backends
-from deltafuse.backends.conv1d import CONV, CONV_UPDATE
+from deltafuse.ops.conv1d.candidates import CONV, CONV_UPDATE
 from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 

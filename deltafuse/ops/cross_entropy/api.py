@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from deltafuse import backends
-from deltafuse.backends.cross_entropy import FUSED_LINEAR_CROSS_ENTROPY, TOKEN_LOGPROBS
+from deltafuse.ops.cross_entropy.candidates import FUSED_LINEAR_CROSS_ENTROPY, TOKEN_LOGPROBS
 from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 from deltafuse.ops.cross_entropy.tokens import OUTPUTS as TOKEN_OUTPUTS

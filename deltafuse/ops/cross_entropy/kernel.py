@@ -6,9 +6,9 @@ target's logit, giving the row loss ``logsumexp - logit[target]``; the second wr
 ``(softmax - one_hot) * row_scale`` over the logits in place, rounded to the input dtype. The torch step
 needs an fp32 copy of the chunk plus a separate gradient buffer; this one needs neither, so a chunk costs
 only its [c, V] logits. The matmuls around it (head projection, gradient of hidden / weight) stay cuBLAS
-calls in ``reference.fused_linear_cross_entropy_chunked``.
+calls in ``driver.fused_linear_cross_entropy_chunked``.
 
-For vocabulary blocks (``reference.fused_linear_cross_entropy_blocked``) two more kernels, one program per
+For vocabulary blocks (``driver.fused_linear_cross_entropy_blocked``) two more kernels, one program per
 row of a [c, w] block: the online step updates the row's running maximum, sum of exponentials and target
 logit and (frozen head) writes exp(x - new maximum) over the block and rescales the row of the hidden-gradient
 accumulator when the maximum moved; the gradient step writes (exp(x - lse) - one-hot) * row_scale over it.
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafuse.backends import probes
-from deltafuse.ops.cross_entropy.reference import BlockSteps, _dispatch
+from deltafuse.config import triton_interpreting
+from deltafuse.ops.cross_entropy.driver import BlockSteps, fused_linear_cross_entropy_driver
 from deltafuse.ops.cross_entropy.tokens import TokenSteps, token_logprobs_impl
 
 
@@ -119,12 +119,12 @@ def _block_v_cached(vocab: int, interpreted: bool) -> tuple[int, int]:
 
 
 def _block_v(vocab: int, device: torch.device) -> tuple[int, int]:
-    return _block_v_cached(vocab, device.type == "cpu" or probes.triton_interpreting())
+    return _block_v_cached(vocab, device.type == "cpu" or triton_interpreting())
 
 
 def chunk_softmax_grad_triton(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                               row_scale: torch.Tensor | None):
-    """Same contract as ``reference.chunk_softmax_grad_torch``; the gradient overwrites ``logits``."""
+    """Same contract as ``driver.chunk_softmax_grad_torch``; the gradient overwrites ``logits``."""
     c, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -144,9 +144,9 @@ def _rows_contiguous(logits: torch.Tensor) -> torch.Tensor:
 
 # The blocked loss launches these once per [chunk, block] tile (hundreds of times per call), so the wrappers
 # keep host work to the launch: targets, statistics and scales arrive contiguous from the caller
-# (reference._blocked_pass), and the accumulator is rescaled inside the kernel.
+# (driver._blocked_pass), and the accumulator is rescaled inside the kernel.
 def online_block_step_triton(logits, targets, v0, ignore_index, m, l, xt, acc):
-    """Same contract as ``reference.online_block_step_torch`` (fp32 running statistics, contiguous [c]
+    """Same contract as ``driver.online_block_step_torch`` (fp32 running statistics, contiguous [c]
     tensors); the probabilities, when an accumulator is given, overwrite ``logits``."""
     logits = _rows_contiguous(logits)
     c, w = logits.shape
@@ -163,7 +163,7 @@ def online_block_step_triton(logits, targets, v0, ignore_index, m, l, xt, acc):
 
 
 def block_grad_step_triton(logits, targets, v0, ignore_index, lse, row_scale):
-    """Same contract as ``reference.block_grad_step_torch`` (contiguous fp32 ``lse`` and ``row_scale``); the
+    """Same contract as ``driver.block_grad_step_torch`` (contiguous fp32 ``lse`` and ``row_scale``); the
     gradient overwrites ``logits``."""
     logits = _rows_contiguous(logits)
     c, w = logits.shape
@@ -287,7 +287,7 @@ TRITON_TOKEN_STEPS = TokenSteps(token_online_step_triton, token_grad_step_triton
 
 def fused_linear_cross_entropy_triton(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
                                       chunk_size, return_logits, vocab_chunk_size=None, token_accuracy=False):
-    return _dispatch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
+    return fused_linear_cross_entropy_driver(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
                      return_logits, vocab_chunk_size, chunk_softmax_grad_triton, TRITON_BLOCK_STEPS,
                      blocks_by_default=True, token_accuracy=token_accuracy)
 

@@ -1,6 +1,6 @@
 """Per-token log-probabilities of ``hidden @ weight.T (+ bias)`` (and entropy, top-1) without [tokens, V] logits.
 
-The loss of ``reference.py`` is a scalar, so its gradients are known in the forward; per-token outputs get an
+The loss of ``driver.py`` is a scalar, so its gradients are known in the forward; per-token outputs get an
 arbitrary upstream gradient per token (a weighted loss, a policy-gradient advantage), so this one differs:
 
 * Forward: token chunks are projected a vocabulary block at a time, and each block is folded into per-row
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafuse.ops._amp import no_autocast_backward
-from deltafuse.ops.cross_entropy.reference import (BLOCKED_CHUNK, FP32_ACCUMULATE_MAX, VOCAB_CHUNK, _add_mm,
+from deltafuse.ops.cross_entropy.driver import (BLOCKED_CHUNK, FP32_ACCUMULATE_MAX, VOCAB_CHUNK, _add_mm,
                                                    _compute_dtype, default_chunk_size)
 
 OUTPUTS = ("log_probs", "entropy", "is_top1")

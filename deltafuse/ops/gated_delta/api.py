@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deltafuse import backends
-from deltafuse.backends.gated_delta import CHUNK, RECURRENT
+from deltafuse.ops.gated_delta.candidates import CHUNK, RECURRENT
 from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 

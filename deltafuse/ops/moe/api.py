@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deltafuse import backends
-from deltafuse.backends.moe import MOE_EXPERTS
+from deltafuse.ops.moe.candidates import MOE_EXPERTS
 from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 

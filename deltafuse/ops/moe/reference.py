@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from deltafuse.backends import probes
 from deltafuse.ops._amp import no_autocast_backward
+from deltafuse.ops.swiglu.api import swiglu
 
 _GROUPED = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -68,15 +68,23 @@ def _loop_wgrad(a, b, offs, n_groups):
 
 
 @functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int] | None:
+    """Compute capability of a CUDA device (the kernels this file calls depend on it), or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
 def _grouped_works(device_type: str, index: int | None, dtype: torch.dtype) -> bool:
     """One-time probe: the grouped kernel runs for this device/dtype and matches the loop (empty group incl.)."""
     if _GROUPED is None:
         return False
     if device_type == "cuda":
-        cap = probes.cuda_capability(index)
+        cap = _capability(index)
         if cap is None or cap < (8, 0) or torch.version.hip is not None:
             return False
-    if device_type == "cpu" and probes.version_tuple(torch.__version__) < (2, 9):
+    if device_type == "cpu" and torch.__version__ < (2, 9):
         return False
     try:
         dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
@@ -111,7 +119,7 @@ def _empty_groups_need_zeroing(device: torch.device) -> bool:
         return False
     if torch.version.hip is not None:
         return True
-    cap = probes.cuda_capability(device.index)
+    cap = _capability(device.index)
     return cap is not None and cap[0] >= 10
 
 
@@ -155,8 +163,6 @@ class _Matmuls:
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    from deltafuse.ops.swiglu import swiglu
-
     return swiglu(gate, up)
 
 

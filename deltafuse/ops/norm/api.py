@@ -7,7 +7,7 @@ import math
 import torch
 
 from deltafuse import backends
-from deltafuse.backends.norm import RMS_NORM, RMS_NORM_GATED
+from deltafuse.ops.norm.candidates import RMS_NORM, RMS_NORM_GATED
 from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deltafuse import backends
-from deltafuse.backends.rope import ROPE
+from deltafuse.ops.rope.candidates import ROPE
 from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deltafuse import backends
-from deltafuse.backends.swiglu import SWIGLU
+from deltafuse.ops.swiglu.candidates import SWIGLU
 from deltafuse.ops import _amp
 from deltafuse.ops import _checks as check
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from deltafuse.backends.common import (NPU_UNVERIFIED, load_attr, npu_available, npu_supports,
                                        torch_supports, triton_available, triton_supports,
                                        triton_forced_only)
-from deltafuse.backends.registry import Candidate, Registry
+from deltafuse.backends.registry import REGISTRY, Candidate, Registry
 
 SWIGLU = "swiglu"
 KERNEL = "deltafuse.ops.swiglu.kernel"
@@ -24,3 +24,6 @@ def register(registry: Registry) -> None:
     registry.register(SWIGLU, Candidate(
         "torch", load_attr("deltafuse.ops.swiglu.reference", "swiglu_torch"), supports=torch_supports,
         note="transformers' formula in torch (any device)"))
+
+
+register(REGISTRY)  # on import: the op's package imports this module before anything else of the op

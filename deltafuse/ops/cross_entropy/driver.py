@@ -1,4 +1,8 @@
-"""Fused linear cross-entropy in torch (any device): the portable implementations.
+"""Fused linear cross-entropy: the driver shared by the torch and Triton backends, and the torch steps.
+
+``fused_linear_cross_entropy_driver`` chooses between the two ways below and runs it with the softmax steps
+it is given: the torch steps here (``fused_linear_cross_entropy_torch``, any device) or the Triton kernels of
+``kernel.py``.
 
 Two ways to avoid [tokens, V] logits; both compute the gradients during the forward (the loss is a scalar, so
 d(loss)/d(logits) = (softmax - one-hot) times the reduction's scale is known there) and keep only those
@@ -422,8 +426,9 @@ def blocked_vocab_chunk(vocab: int, vocab_chunk_size: int | None, return_logits:
     return vocab_chunk_size if vocab_chunk_size < vocab else None
 
 
-def _dispatch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
-              return_logits, vocab_chunk_size, chunk_fn, steps, blocks_by_default, token_accuracy=False):
+def fused_linear_cross_entropy_driver(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
+                                      chunk_size, return_logits, vocab_chunk_size, chunk_fn, steps,
+                                      blocks_by_default, token_accuracy=False):
     """(loss, logits or None), plus the token accuracy with ``token_accuracy``."""
     needs = _needs(hidden, weight, bias)
     block = blocked_vocab_chunk(weight.shape[0], vocab_chunk_size, return_logits, needs[1] or needs[2],
@@ -439,6 +444,6 @@ def _dispatch(hidden, weight, bias, targets, ignore_index, reduction, num_items_
 
 def fused_linear_cross_entropy_torch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch,
                                      chunk_size, return_logits, vocab_chunk_size=None, token_accuracy=False):
-    return _dispatch(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
+    return fused_linear_cross_entropy_driver(hidden, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
                      return_logits, vocab_chunk_size, chunk_softmax_grad_torch, TORCH_BLOCK_STEPS,
                      blocks_by_default=False, token_accuracy=token_accuracy)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from deltafuse.backends.common import (NPU_UNVERIFIED, load_attr, npu_available, npu_supports,
                                        torch_supports, triton_available, triton_supports,
                                        triton_auto_skip)
-from deltafuse.backends.registry import Candidate, Registry
+from deltafuse.backends.registry import REGISTRY, Candidate, Registry
 
 RMS_NORM = "rms_norm_zero_centered"
 RMS_NORM_GATED = "rms_norm_gated"
@@ -31,3 +31,6 @@ def register(registry: Registry) -> None:
     registry.register(RMS_NORM_GATED, Candidate(
         "torch", load_attr("deltafuse.ops.norm.reference", "rms_norm_gated_torch"), supports=torch_supports,
         note="transformers' formula in torch (any device; torch_npu has no fused gated norm)"))
+
+
+register(REGISTRY)  # on import: the op's package imports this module before anything else of the op

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deltafuse.backends.common import (load_attr, torch_supports, triton_available, triton_supports,
                                        triton_auto_skip)
-from deltafuse.backends.registry import Candidate, Registry
+from deltafuse.backends.registry import REGISTRY, Candidate, Registry
 
 CONV = "causal_conv1d_fn"
 CONV_UPDATE = "causal_conv1d_update"
@@ -22,3 +22,6 @@ def register(registry: Registry) -> None:
     registry.register(CONV_UPDATE, Candidate("torch", load_attr(REFERENCE, "causal_conv1d_update_torch"),
                                              supports=torch_supports,
                                              note="deltafuse's torch single-step conv update"))
+
+
+register(REGISTRY)  # on import: the op's package imports this module before anything else of the op

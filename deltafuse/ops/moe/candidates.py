@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deltafuse.backends.common import NPU_UNVERIFIED, load_attr, npu_available, npu_supports, torch_supports
-from deltafuse.backends.registry import Candidate, Registry
+from deltafuse.backends.registry import REGISTRY, Candidate, Registry
 
 MOE_EXPERTS = "moe_experts"
 
@@ -20,3 +20,6 @@ def register(registry: Registry) -> None:
         note="sort by expert, grouped matmuls (torch grouped_mm where it works for the device/dtype, else a "
              "loop over experts), fused SiLU*up, deterministic weighted un-permute; a lean autograd Function "
              "that keeps only the gate_up output for the backward (any device)"))
+
+
+register(REGISTRY)  # on import: the op's package imports this module before anything else of the op

@@ -1,25 +1,48 @@
-"""Candidates for the gated delta rule ops, in order of preference."""
+"""Candidates for the gated delta rule ops, in order of preference, and the shape facts they judge."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 
 from deltafuse.backends import probes
 from deltafuse.backends.common import (FLOATS, NPU_UNVERIFIED, load_attr, npu_supports, torch_supports,
                                        triton_auto_skip, triton_available, triton_supports)
-from deltafuse.backends.registry import CallInfo, Candidate, Registry
+from deltafuse.backends.registry import REGISTRY, CallInfo, Candidate, Registry
 
 CHUNK = "chunk_gated_delta_rule"
 RECURRENT = "fused_recurrent_gated_delta_rule"
-CHUNK_KERNEL = "deltafuse.ops.gated_delta.chunk"
-RECURRENT_KERNEL = "deltafuse.ops.gated_delta.recurrent"
+CHUNK_KERNEL = "deltafuse.ops.gated_delta.kernel"
+RECURRENT_KERNEL = "deltafuse.ops.gated_delta.kernel_recurrent"
 REFERENCE = "deltafuse.ops.gated_delta.reference"
+
+# The q/k head size deltafuse's Triton kernels take: the state tile [K, V] lives in registers, with K padded to
+# a power of two of at most 256 (both kernels raise above it).
+TRITON_MAX_K = 256
+
+
+def head_sizes(shapes: tuple) -> tuple:
+    """The shape facts of a GDN call: q/k head size K and value head size V. ``shapes`` are those of the
+    tensors the public ops pass to ``call_info``: (q, k, v, g, beta, initial_state)."""
+    q, _k, v = shapes[:3]
+    return (("K", int(q[-1])), ("V", int(v[-1])))
+
+
+def _triton_head_size(call: CallInfo) -> str | None:
+    K = call.fact("K")
+    if K is not None and K > TRITON_MAX_K:
+        return f"q/k head size K={K} is over {TRITON_MAX_K}, the largest deltafuse's Triton kernels take"
+    return None
+
+
+def _triton_chunk_supports(call: CallInfo) -> str | None:
+    return triton_supports(call) or _triton_head_size(call)
 
 
 def _triton_recurrent_supports(call: CallInfo) -> str | None:
     if call.needs_grad:
         return "the recurrent Triton kernel has no backward (decoding only)"
-    return triton_supports(call)
+    return triton_supports(call) or _triton_head_size(call)
 
 
 # --- flash-linear-attention ------------------------------------------------------------------------------
@@ -44,7 +67,7 @@ def fla_backward_known_bad(call: CallInfo) -> str | None:
     return None
 
 
-# --- FLA on Ascend NPUs (the seed project's route) -------------------------------------------------------
+# --- FLA on Ascend NPUs -------------------------------------------------------
 def _triton_ascend_version() -> str | None:
     """Version of the installed triton-ascend distribution (the Triton build for Ascend NPUs), or None."""
     try:
@@ -65,8 +88,6 @@ def _fla_ascend_available() -> str | None:
 
 def _load_fla(name: str):
     def load():
-        import importlib
-
         fn = getattr(importlib.import_module("fla.ops.gated_delta_rule"), name)
 
         def run(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
@@ -84,7 +105,7 @@ def register(registry: Registry) -> None:
     rows = {
         CHUNK: [
             Candidate("triton", load_attr(CHUNK_KERNEL, "chunk_gated_delta_rule_triton"),
-                      triton_available(CHUNK_KERNEL), triton_supports, auto_skip=triton_auto_skip,
+                      triton_available(CHUNK_KERNEL), _triton_chunk_supports, auto_skip=triton_auto_skip,
                       note="deltafuse's chunked Triton kernels (fwd+bwd)"),
             Candidate("fla", _load_fla("chunk_gated_delta_rule"), _fla_available, _fla_supports,
                       fla_backward_known_bad, note="flash-linear-attention"),
@@ -110,3 +131,7 @@ def register(registry: Registry) -> None:
     for op, candidates in rows.items():
         for cand in candidates:
             registry.register(op, cand)
+        registry.set_facts(op, head_sizes)
+
+
+register(REGISTRY)  # on import: the op's package imports this module before anything else of the op

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deltafuse.backends.common import (load_attr, torch_supports, triton_available, triton_supports,
                                        triton_auto_skip)
-from deltafuse.backends.registry import Candidate, Registry
+from deltafuse.backends.registry import REGISTRY, Candidate, Registry
 
 FUSED_LINEAR_CROSS_ENTROPY = "fused_linear_cross_entropy"
 TOKEN_LOGPROBS = "token_logprobs"
@@ -18,7 +18,7 @@ def register(registry: Registry) -> None:
         note="head projection (cuBLAS) in token chunks x vocabulary blocks + deltafuse's Triton online "
              "softmax/gradient written over each block in place; no [tokens, vocab] tensor"))
     registry.register(FUSED_LINEAR_CROSS_ENTROPY, Candidate(
-        "torch", load_attr("deltafuse.ops.cross_entropy.reference", "fused_linear_cross_entropy_torch"),
+        "torch", load_attr("deltafuse.ops.cross_entropy.driver", "fused_linear_cross_entropy_torch"),
         supports=torch_supports,
         note="head projection in token chunks x vocabulary blocks + fp32 online softmax in torch, gradients "
              "computed block by block in the forward (any device)"))
@@ -30,3 +30,6 @@ def register(registry: Registry) -> None:
     registry.register(TOKEN_LOGPROBS, Candidate(
         "torch", load_attr("deltafuse.ops.cross_entropy.tokens", "token_logprobs_torch"), supports=torch_supports,
         note="head projection in whole-vocabulary token chunks + fp32 online statistics in torch (any device)"))
+
+
+register(REGISTRY)  # on import: the op's package imports this module before anything else of the op

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafuse.backends.probes import triton_interpreting
+from deltafuse.config import triton_interpreting
 
 
 @triton.jit

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from deltafuse.backends.common import NPU_UNVERIFIED, load_attr, npu_available, npu_supports, torch_supports
 import torch
 
-from deltafuse.backends.registry import CallInfo, Candidate, Registry
+from deltafuse.backends.common import NPU_UNVERIFIED, load_attr, npu_available, npu_supports, torch_supports
+from deltafuse.backends.registry import REGISTRY, CallInfo, Candidate, Registry
+from deltafuse.ops.attention.packed import varlen_api
 
 SDPA = "sdpa_attention"
 PACKED_ATTENTION = "packed_causal_attention"
 
 
 def _varlen_available() -> str | None:
-    from deltafuse.ops.attention.packed import varlen_api
-
     return None if varlen_api() is not None else "this torch has no torch.nn.attention.varlen.varlen_attn"
 
 
@@ -31,7 +30,7 @@ def register(registry: Registry) -> None:
         npu_supports, verified=False,
         note="torch_npu.npu_fusion_attention, layout BNSD, native grouped-query heads, compressed causal mask "
              "(sparse_mode 2); " + NPU_UNVERIFIED))
-    registry.register(SDPA, Candidate("transformers", load_attr("deltafuse.ops.attention", "stock_attention"),
+    registry.register(SDPA, Candidate("transformers", load_attr("deltafuse.ops.attention.route", "stock_attention"),
                                       note="transformers' own sdpa_attention_forward, unchanged (any device)"))
     registry.register(PACKED_ATTENTION, Candidate(
         "varlen", load_attr("deltafuse.ops.attention.packed", "causal_attention_varlen"), _varlen_available,
@@ -42,3 +41,6 @@ def register(registry: Registry) -> None:
         "torch", load_attr("deltafuse.ops.attention.packed", "causal_attention_by_sequence"),
         supports=torch_supports,
         note="causal SDPA sequence by sequence for long packed rows (no [T, T] mask; any device)"))
+
+
+register(REGISTRY)  # on import: the op's package imports this module before anything else of the op

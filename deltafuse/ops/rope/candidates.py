@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deltafuse.backends.common import (NPU_UNVERIFIED, load_attr, npu_available, npu_supports,
                                        torch_supports, triton_auto_skip, triton_available, triton_supports)
-from deltafuse.backends.registry import Candidate, Registry
+from deltafuse.backends.registry import REGISTRY, Candidate, Registry
 
 ROPE = "apply_rotary_pos_emb"
 KERNEL = "deltafuse.ops.rope.kernel"
@@ -23,3 +23,6 @@ def register(registry: Registry) -> None:
     registry.register(ROPE, Candidate(
         "torch", load_attr("deltafuse.ops.rope.reference", "apply_rotary_pos_emb_torch"), supports=torch_supports,
         note="transformers' formula in torch (any device)"))
+
+
+register(REGISTRY)  # on import: the op's package imports this module before anything else of the op

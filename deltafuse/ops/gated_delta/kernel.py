@@ -1,0 +1,362 @@
+"""Chunked gated delta rule in portable Triton: the op's Triton entry (host side, autograd wrapper).
+
+Per value head the recurrence is (state S of shape [K, V], decay ``g`` in log space)
+
+    S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = scale S_t^T q_t
+
+It is evaluated over chunks of ``BT = 64`` tokens (the WY / UT-transform form). Inside a chunk, with
+``gc`` the chunk-local cumulative sum of ``g`` and ``D_ij = exp(gc_i - gc_j)``:
+
+    A  = strictly_lower(beta_i (k_i . k_j) D_ij)          T = (I + A)^-1
+    w  = T (beta k exp(gc))                               u = T (beta v)
+    v' = u - w h                                          (h: state at the chunk start)
+    o  = scale ((q exp(gc)) h + lower_incl(q k^T o D) v')
+    h_next = exp(gc_last) h + (k exp(gc_last - gc))^T v'
+
+Kernels (grid axes in brackets; the first three in ``kernel_fwd.py``, the others in ``kernel_bwd.py``):
+
+* ``_l2norm_rstd`` [token block, q/k head]: the l2norm factors rsqrt(|x|^2 + eps) of q and k rows. The
+  other kernels read q and k as given and apply these factors to their products, so normalised rows are
+  never rounded to 16 bits or stored.
+* ``_intra_fwd``   [chunk, value head]: gc, A, T, w, u (and T itself for the backward).
+* ``_state_fwd``   [V block x sequence x value head, one axis]: the sequential pass over chunks with the state in
+  fp32 registers; in the forward it also writes o, in the backward it stores the chunk-start states
+  (``hs``) and v'.
+* ``_dv_local``    [chunk, value head]: the intra-chunk part of dv', scale lower_incl(q k^T o D)^T do.
+* ``_state_bwd``   [V block x sequence x value head, one axis]: the reverse pass; stores the gradient of the
+  state at every chunk end (``dhs``), the full gradient of v' (``dvn``) and the initial-state gradient.
+* ``_bwd_wy``      [chunk, value head]: back through w, u and T (dv, dbeta, WY parts of dk and dg).
+* ``_bwd_out``     [chunk, q/k head]: the output and state parts of dq, dk, dg; sums the value heads
+  that share the q/k head (no repeated q/k is ever materialised), then goes back through the l2norm.
+
+Products of a 16-bit operand (inputs, stored intermediates) with an fp32 one split the fp32 operand into
+two 16-bit parts, so 16-bit tensor cores give close to fp32 accuracy without fp32 copies of the large
+tiles.
+
+The backward recomputes w, u, the chunk states and v' from the inputs instead of keeping them from the
+forward pass, so only the inputs are saved between forward and backward.
+
+All sequences, batched or packed (``cu_seqlens``), go through one flattened token axis: a batch of B
+sequences of length T is the packed batch with boundaries 0, T, 2T, ...; a chunk never crosses a
+sequence boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from deltafuse.config import triton_interpreting
+from deltafuse.ops._checks import host_offsets
+from deltafuse.ops.gated_delta.kernel_bwd import _bwd_out, _bwd_wy, _dv_local, _state_bwd
+from deltafuse.ops.gated_delta.kernel_fwd import _intra_fwd, _l2norm_rstd, _state_fwd
+
+BT = 64  # chunk length; the in-chunk inverse (kernel_fwd._unit_lower_inverse) is written for 4 blocks of 16
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _interpreting() -> bool:
+    return triton_interpreting()
+
+# --------------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------------
+
+
+class _Plan:
+    """Sequence and chunk bookkeeping for one call (int32 tables on the inputs' device).
+
+    Built with tensor operations on the host (no per-sequence or per-chunk Python loop: a packed row of
+    thousands of short sequences gets a new plan every step) and copied to the device in one transfer.
+    """
+
+    def __init__(self, bounds: list[int], device: torch.device):
+        b = torch.tensor(bounds, dtype=torch.int64)
+        starts, ends = b[:-1], b[1:]
+        counts = (ends - starts + BT - 1) // BT  # chunks per sequence
+        offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+        self.N = counts.numel()
+        self.NC = int(offsets[-1])
+        seq = torch.repeat_interleave(torch.arange(self.N), counts)  # sequence of every chunk
+        within = torch.arange(self.NC) - offsets[:-1][seq]  # chunk index inside its sequence
+        rows = torch.stack([seq, starts[seq] + within * BT, ends[seq]], 1)  # (sequence, start, end)
+        if not self.NC:
+            rows = rows.new_zeros(1, 3)
+        table = torch.cat([b, offsets, rows.reshape(-1)]).to(torch.int32).to(device, non_blocking=True)
+        n1 = len(bounds)
+        self.cu = table[:n1]
+        self.coff = table[n1:2 * n1]
+        self.chunks = table[2 * n1:]
+
+
+_PLANS: dict = {}
+
+
+def _plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Plan:
+    """Chunk tables, cached by sequence layout (they depend on lengths only, never on values)."""
+    bounds = tuple(n * T for n in range(B + 1)) if cu_seqlens is None else host_offsets(cu_seqlens)
+    key = (bounds, str(device))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 64:
+            _PLANS.pop(next(iter(_PLANS)))
+        plan = _PLANS[key] = _Plan(list(bounds), device)
+    return plan
+
+
+@dataclass(frozen=True)
+class ChunkOptions:
+    """Tunables of the chunked kernels on a GPU (the interpreter uses its own small fixed tiles).
+
+    ``*_store``: dtype of the stored per-token / per-chunk intermediates (w, u, v', chunk states and their
+    gradients): "input" (the inputs' 16-bit dtype) or "fp32". ``*_x2``: products of an fp32 operand with a
+    16-bit one split the fp32 operand into two 16-bit parts (about 16 mantissa bits) instead of rounding it
+    to 16 bits or using tf32. fp32 inputs always use fp32 storage and three-pass tf32 products.
+    ``bv_<kernel>`` / ``warps_<kernel>``: value-tile width and warps per kernel; ``stages``: pipeline stages.
+    """
+
+    fwd_store: str = "input"
+    bwd_store: str = "input"
+    fwd_x2: bool = True
+    bwd_x2: bool = True
+    bv_intra: int = 128
+    warps_intra: int = 4
+    bv_state: int = 32
+    warps_state: int = 8
+    bv_dvl: int = 128
+    warps_dvl: int = 4
+    bv_wy: int = 32
+    warps_wy: int = 8
+    bv_bo: int = 32
+    warps_bo: int = 8
+    stages: int = 2
+
+    def __post_init__(self):
+        for name in ("fwd_store", "bwd_store"):
+            if getattr(self, name) not in ("input", "fp32"):
+                raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: 'input', 'fp32'")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type != "int":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ChunkOptions.{f.name}={value!r}; allowed: an int >= 1")
+            if f.name != "stages" and value & (value - 1):
+                raise ValueError(f"ChunkOptions.{f.name}={value!r}; allowed: a power of two (a tile width or a "
+                                 "warp count)")
+
+
+DEFAULT_OPTIONS = ChunkOptions()
+# (options, stage hook) in effect: the defaults and no hook, except inside a ``configured`` block
+_in_effect: list = [DEFAULT_OPTIONS, None]
+
+
+@contextlib.contextmanager
+def configured(options: ChunkOptions | None = None, stage_hook: Callable[[str], None] | None = None):
+    """Run the chunked kernels with ``options`` inside the block, calling ``stage_hook(stage_name)`` after each
+    kernel launch (a benchmark's per-stage timing); what was in effect before is restored on exit. Normal use
+    never needs it: the defaults are the tuned values (BENCHMARKS.md)."""
+    if options is not None and not isinstance(options, ChunkOptions):
+        raise TypeError(f"options must be a ChunkOptions or None, got {type(options).__name__}")
+    saved = list(_in_effect)
+    _in_effect[:] = [DEFAULT_OPTIONS if options is None else options, stage_hook]
+    try:
+        yield
+    finally:
+        _in_effect[:] = saved
+
+
+class _Cfg:
+    """Compile-time choices for one pass ("fwd" or "bwd") of one dtype / head-size family."""
+
+    def __init__(self, dtype: torch.dtype, K: int, V: int, which: str):
+        interp = _interpreting()
+        opts = _in_effect[0]
+        self.BK = max(16, triton.next_power_of_2(K))
+        self.DT = _TL_DTYPE[dtype]
+        full = dtype == torch.float32
+        # precision of fp32-operand products: exact in the interpreter, three-pass tf32 for fp32 inputs
+        self.PREC = "ieee" if interp else ("tf32x3" if full else "tf32")
+        self.X2 = (not full) and bool(getattr(opts, which + "_x2"))
+        self.store = torch.float32 if (full or getattr(opts, which + "_store") == "fp32") else dtype
+        vmax = max(16, triton.next_power_of_2(V))
+        names = ("intra", "state", "dvl", "wy", "bo")
+        self.bv = {n: min(vmax, 16 if interp else getattr(opts, "bv_" + n)) for n in names}
+        # Head sizes under 64 (tiles of 16 or 32 columns) gave wrong outputs with 8 warps and illegal memory
+        # accesses with 4 on the H200 (Triton 3.6); 2 warps are correct there (BENCHMARKS.md, small heads).
+        small = min(self.BK, vmax) < 64
+        warps = {n: getattr(opts, "warps_" + n) for n in names}
+        self.nw = {n: 1 if interp else (min(2, warps[n]) if small else warps[n]) for n in names}
+        self.stages = 1 if interp else opts.stages
+        # fp32 states in the reverse pass need the shared memory that load pipelining would take
+        self.stages_state = 1 if (interp or (which == "bwd" and self.store == torch.float32)) else self.stages
+
+
+def _mark(name: str) -> None:
+    hook = _in_effect[1]
+    if hook is not None:
+        hook(name)
+
+
+def _rstd(q, k, L2):
+    """rsqrt(|x|^2 + eps) per row of q and k, or (None, None) when the l2norm is off."""
+    if not L2:
+        return None, None
+    TT, H, K = q.shape
+    rq = torch.empty(TT, H, device=q.device, dtype=torch.float32)
+    rk = torch.empty(TT, H, device=q.device, dtype=torch.float32)
+    if TT:
+        _l2norm_rstd[(triton.cdiv(TT, 64), H)](q, k, rq, rk, TT, H=H, K=K, BK=max(16, triton.next_power_of_2(K)),
+                                               num_warps=1 if _interpreting() else 4)
+    _mark("l2norm")
+    return rq, rk
+
+
+def _prepare(k, rk, v, g, beta, plan, cfg, L2, store_t):
+    TT, H, K = k.shape
+    HV, V = v.shape[-2:]
+    dev = k.device
+    gc = torch.empty(TT, HV, device=dev, dtype=torch.float32)
+    w = torch.empty(TT, HV, K, device=dev, dtype=cfg.store)
+    u = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+    tinv = torch.empty(TT, HV, BT, device=dev, dtype=torch.float32) if store_t else None
+    if plan.NC:
+        _intra_fwd[(plan.NC, HV)](k, rk if L2 else gc, v, g, beta, gc, w, u, tinv if store_t else gc, plan.chunks,
+                                  H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=cfg.bv["intra"], L2=L2, STORE_T=store_t,
+                                  X2=cfg.X2, PREC=cfg.PREC, DT=cfg.DT, num_warps=cfg.nw["intra"],
+                                  num_stages=cfg.stages)
+    _mark("intra")
+    return gc, w, u, tinv
+
+
+def _forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan):
+    TT, H, K = q.shape
+    HV, V = v.shape[-2:]
+    cfg = _Cfg(q.dtype, K, V, "fwd")
+    rq, rk = _rstd(q, k, L2)
+    gc, w, u, _ = _prepare(k, rk, v, g, beta, plan, cfg, L2, False)
+    o = torch.empty(TT, HV, V, device=q.device, dtype=q.dtype)
+    ht = torch.empty(plan.N, HV, K, V, device=q.device, dtype=torch.float32) if want_ht else None
+    grid = (triton.cdiv(V, cfg.bv["state"]) * plan.N * HV,)
+    _state_fwd[grid](q, k, rq if L2 else gc, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, gc, gc, o,
+                     ht if want_ht else gc, plan.cu, plan.coff, scale, H=H, HV=HV, K=K, V=V, BK=cfg.BK,
+                     BV=cfg.bv["state"], L2=L2, HAS_H0=h0 is not None, STORE_HS=False, WRITE_O=True,
+                     STORE_HT=want_ht, X2=cfg.X2, PREC=cfg.PREC, DT=cfg.DT, num_warps=cfg.nw["state"],
+                     num_stages=cfg.stages_state)
+    _mark("state_out")
+    return o, ht
+
+
+def _backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0):
+    TT, H, K = q.shape
+    HV, V = v.shape[-2:]
+    dev = q.device
+    cfg = _Cfg(q.dtype, K, V, "bwd")
+    common = dict(H=H, HV=HV, K=K, V=V, BK=cfg.BK, L2=L2, X2=cfg.X2, PREC=cfg.PREC, DT=cfg.DT)
+    rq, rk = _rstd(q, k, L2)
+    gc, w, u, tinv = _prepare(k, rk, v, g, beta, plan, cfg, L2, True)
+    rq, rk = (rq, rk) if L2 else (gc, gc)
+    hs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
+    vn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+    grid = (triton.cdiv(V, cfg.bv["state"]) * plan.N * HV,)
+    _state_fwd[grid](q, k, rq, rk, w, u, gc, h0 if h0 is not None else gc, hs, vn, gc, gc, plan.cu, plan.coff,
+                     scale, BV=cfg.bv["state"], HAS_H0=h0 is not None, STORE_HS=True, WRITE_O=False,
+                     STORE_HT=False, **common, num_warps=cfg.nw["state"], num_stages=cfg.stages_state)
+    _mark("state_fwd")
+    del u
+    dvl = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+    if plan.NC:
+        _dv_local[(plan.NC, HV)](q, k, rq, rk, gc, do, dvl, plan.chunks, scale, BV=cfg.bv["dvl"], **common,
+                                 num_warps=cfg.nw["dvl"], num_stages=cfg.stages)
+    _mark("dv_local")
+    dhs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
+    dvn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+    dh0 = torch.empty(plan.N, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
+    _state_bwd[grid](q, k, rq, rk, w, gc, do, dvl, dht if dht is not None else gc, dhs, dvn,
+                     dh0 if need_dh0 else gc, plan.cu, plan.coff, scale, BV=cfg.bv["state"], HAS_DHT=dht is not None,
+                     STORE_DH0=need_dh0, **common, num_warps=cfg.nw["state"], num_stages=cfg.stages_state)
+    _mark("state_bwd")
+    del w, dvl
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dg = torch.empty(g.shape, device=dev, dtype=g.dtype)
+    db = torch.empty(beta.shape, device=dev, dtype=beta.dtype)
+    if not plan.NC:
+        for t in (dq, dk, dv, dg, db):
+            t.zero_()
+        return dq, dk, dv, dg, db, dh0
+    dgc = torch.empty(TT, HV, device=dev, dtype=torch.float32)
+    dkw = torch.empty(TT, HV, K, device=dev, dtype=torch.float32)
+    _bwd_wy[(plan.NC, HV)](k, rk, v, beta, gc, tinv, hs, dvn, dv, db, dgc, dkw, plan.chunks, BV=cfg.bv["wy"],
+                           **common, num_warps=cfg.nw["wy"], num_stages=cfg.stages)
+    _mark("bwd_wy")
+    del dvn, tinv
+    dq_acc = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
+    dk_acc = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
+    _bwd_out[(plan.NC, H)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkw, dq_acc, dk_acc, dq, dk, dg, plan.chunks,
+                           scale, BV=cfg.bv["bo"], **common, num_warps=cfg.nw["bo"], num_stages=cfg.stages)
+    _mark("bwd_out")
+    return dq, dk, dv, dg, db, dh0
+
+
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens):
+        B, T, H, K = q.shape
+        HV, V = v.shape[-2:]
+        plan = _plan(B, T, cu_seqlens, q.device)
+        qf = q.reshape(B * T, H, K).contiguous()
+        kf = k.reshape(B * T, H, K).contiguous()
+        vf = v.reshape(B * T, HV, V).contiguous()
+        gf = g.reshape(B * T, HV).contiguous()
+        bf = beta.reshape(B * T, HV).contiguous()
+        h0 = initial_state.contiguous() if initial_state is not None else None
+        o, ht = _forward(qf, kf, vf, gf, bf, scale, h0, output_final_state, l2, plan)
+        ctx.save_for_backward(qf, kf, vf, gf, bf, h0)
+        ctx.meta = (B, T, scale, l2, plan, initial_state is not None)
+        return o.view(B, T, HV, V), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        qf, kf, vf, gf, bf, h0 = ctx.saved_tensors
+        B, T, scale, l2, plan, has_h0 = ctx.meta
+        H, K = qf.shape[-2:]
+        HV, V = vf.shape[-2:]
+        if do is None:
+            do = torch.zeros(B * T, HV, V, device=qf.device, dtype=qf.dtype)
+        do = do.reshape(B * T, HV, V).contiguous()
+        if dht is not None:
+            dht = dht.contiguous()
+        dq, dk, dv, dg, db, dh0 = _backward(qf, kf, vf, gf, bf, scale, h0, do, dht, l2, plan,
+                                            need_dh0=has_h0 and ctx.needs_input_grad[6])
+        return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V), dg.view(B, T, HV),
+                db.view(B, T, HV), None, dh0, None, None, None)
+
+
+def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None = None,
+                                  output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                                  cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked gated delta rule (forward and backward) in Triton.
+
+    q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (value head hv reads q/k head
+    hv // (HV // H)); g [B, T, HV] log-space decay; beta [B, T, HV]; initial_state [N, HV, K, V] fp32
+    with N = B, or N = len(cu_seqlens) - 1 and B = 1 for packed sequences. Returns (o [B, T, HV, V] in
+    q's dtype, final state [N, HV, K, V] fp32 or None). Differentiable in q, k, v, g, beta and
+    initial_state, and through the final state when it is returned. Inputs are assumed validated.
+    """
+    K = q.shape[-1]
+    if K > 256:
+        raise ValueError(f"chunk_gated_delta_rule_triton: q/k head dim K={K} is not supported; allowed: K <= 256")
+    if q.dtype not in _TL_DTYPE:
+        raise ValueError(f"chunk_gated_delta_rule_triton: q.dtype={q.dtype} is not supported; "
+                         f"allowed: {sorted(str(d) for d in _TL_DTYPE)}")
+    return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, float(scale), initial_state, bool(output_final_state),
+                                      bool(use_qk_l2norm_in_kernel), cu_seqlens)

@@ -1,0 +1,246 @@
+"""Chunked gated delta rule in Triton: the backward kernels.
+
+The recurrence, the chunk algebra and the grid of every kernel are described in ``kernel.py`` (the op's Triton
+entry, which launches these kernels); the device helpers and the forward kernels are in ``kernel_fwd.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_x, _dot_xa, _rows
+
+# --------------------------------------------------------------------------------------------------
+# backward kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr, scale,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+              X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    pid_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    h = hv // (HV // H)
+    start = tl.load(chunks_ptr + pid_c * 3 + 1).to(tl.int64)
+    end = tl.load(chunks_ptr + pid_c * 3 + 2).to(tl.int64)
+    rows = tl.arange(0, 64)
+    tok = start + rows
+    valid = tok < end
+    ck = tl.arange(0, BK)
+    mk = valid[:, None] & (ck[None, :] < K)
+    q = tl.load(q_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+    k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+    rq = _rows(rq_ptr, tok, H, h, valid, L2)
+    rk = _rows(rk_ptr, tok, H, h, valid, L2)
+    gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
+    # st[j, i] = (khat_j . qhat_i) exp(gc_i - gc_j) for i >= j: the transposed intra-chunk attention
+    st = tl.dot(k, tl.trans(q), input_precision=PREC) * tl.trans(_chunk_decay(gc, valid, False))
+    st = st * (rk * scale)[:, None] * rq[None, :]
+    for vb in range(tl.cdiv(V, BV)):
+        cv = vb * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
+        do = tl.load(do_ptr + off, mask=mv, other=0.0)
+        tl.store(dvl_ptr + off, _dot_xa(st, do, X2, PREC, DT).to(dvl_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht_ptr, dhs_ptr, dvn_ptr, dh0_ptr,
+               cu_ptr, coff_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, HAS_DHT: tl.constexpr,
+               STORE_DH0: tl.constexpr, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    # one grid axis, V blocks fastest (the order of the former [V block, sequence x head] grid): a second
+    # axis is limited to 65,535 programs, fewer than sequences x heads of a row of many short sequences
+    pid = tl.program_id(0)
+    pid_v = pid % ((V + BV - 1) // BV)
+    pid_nh = pid // ((V + BV - 1) // BV)
+    n = pid_nh // HV
+    hv = pid_nh % HV
+    h = hv // (HV // H)
+    bos = tl.load(cu_ptr + n).to(tl.int64)
+    eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + n).to(tl.int64)
+    nt = tl.cdiv(eos - bos, 64)
+    rows = tl.arange(0, 64)
+    ck = tl.arange(0, BK)
+    cv = pid_v * BV + tl.arange(0, BV)
+    mkv = (ck[:, None] < K) & (cv[None, :] < V)
+    state_off = ck[:, None] * V + cv[None, :]
+    dst = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dst = tl.load(dht_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, mask=mkv, other=0.0).to(tl.float32)
+    for i in range(nt):
+        c = nt - 1 - i
+        start = bos + c * 64
+        tok = start + rows
+        valid = tok < eos
+        tl.store(dhs_ptr + ((coff + c) * HV + hv) * (K * V) + state_off, dst.to(dhs_ptr.dtype.element_ty), mask=mkv)
+        mk = valid[:, None] & (ck[None, :] < K)
+        mv = valid[:, None] & (cv[None, :] < V)
+        tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
+        k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+        rk = _rows(rk_ptr, tok, H, h, valid, L2)
+        gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
+        last = tl.minimum(start + 63, eos - 1)
+        gl = tl.load(gc_ptr + last * HV + hv)
+        dvl = tl.load(dvl_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
+        # dv' = dv_local + diag(rk exp(gl - gc)) k dh_next
+        dvn = dvl + _dot_x(k, dst, X2, PREC, DT) * (rk * tl.where(valid, tl.exp(gl - gc), 0.0))[:, None]
+        tl.store(dvn_ptr + tv_off, dvn.to(dvn_ptr.dtype.element_ty), mask=mv)
+        q = tl.load(q_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+        rq = _rows(rq_ptr, tok, H, h, valid, L2)
+        do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)
+        dog = do * (rq * tl.where(valid, tl.exp(gc), 0.0) * scale)[:, None]
+        dst = dst * tl.exp(gl) + _dot_x(tl.trans(q), dog, X2, PREC, DT) - _dot_x(tl.trans(w), dvn, X2, PREC, DT)
+    if STORE_DH0:
+        tl.store(dh0_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, dst, mask=mkv)
+
+
+@triton.jit
+def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, dv_ptr, db_ptr, dgc_ptr, dkw_ptr,
+            chunks_ptr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+            BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+            X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Back through v' = u - w h, w = T diag(beta exp(gc)) khat, u = T diag(beta) v and T = (I + A)^-1:
+    dv and dbeta (complete), and the WY parts of dkhat and dgc (per value head, summed later)."""
+    pid_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    h = hv // (HV // H)
+    start = tl.load(chunks_ptr + pid_c * 3 + 1).to(tl.int64)
+    end = tl.load(chunks_ptr + pid_c * 3 + 2).to(tl.int64)
+    rows = tl.arange(0, 64)
+    tok = start + rows
+    valid = tok < end
+    ck = tl.arange(0, BK)
+    mk = valid[:, None] & (ck[None, :] < K)
+    k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+    rk = _rows(rk_ptr, tok, H, h, valid, L2)
+    gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
+    b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
+    Tm = tl.load(tinv_ptr + tok[:, None] * (HV * 64) + hv * 64 + rows[None, :], mask=valid[:, None], other=0.0)
+    Tt = tl.trans(Tm)
+    dwa = tl.zeros([64, BK], dtype=tl.float32)
+    dT = tl.zeros([64, 64], dtype=tl.float32)
+    db = tl.zeros([64], dtype=tl.float32)
+    st_base = (pid_c.to(tl.int64) * HV + hv) * (K * V)
+    for vb in range(tl.cdiv(V, BV)):
+        cv = vb * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
+        st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :],
+                     mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
+        dvn = tl.load(dvn_ptr + tv_off, mask=mv, other=0.0)
+        v = tl.load(v_ptr + tv_off, mask=mv, other=0.0)
+        dwa += tl.dot(dvn, tl.trans(st), input_precision=PREC)
+        dT += tl.dot(dvn, tl.trans(v.to(dvn.dtype)), input_precision=PREC)  # columns scaled by beta below
+        dY = _dot_xa(Tt, dvn, X2, PREC, DT)
+        tl.store(dv_ptr + tv_off, (dY * b[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
+        db += tl.sum(v.to(tl.float32) * dY, 1)
+    eg = tl.where(valid, tl.exp(gc), 0.0)
+    beg = b * eg
+    # x = diag(beta exp(gc) rk) k;  dw = -dwa;  dx = T^T dw;  dT += dw x^T
+    dT = dT * b[None, :] - _dot_xa(dwa, tl.trans(k), X2, PREC, DT) * (beg * rk)[None, :]
+    dx = -tl.dot(Tt, dwa, input_precision=PREC)
+    kdx = tl.sum(k.to(tl.float32) * dx, 1) * rk
+    db += kdx * eg
+    dgc = kdx * beg
+    dk = dx * beg[:, None]
+    # dA = -T^T dT T^T on the strict lower triangle;  A = diag(beta) (khat khat^T o decay)
+    dA = -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC)
+    dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0) * _chunk_decay(gc, valid, True)
+    kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
+    dAk = dA * kk
+    db += tl.sum(dAk, 1)
+    qa = dAk * b[:, None]
+    dgc += tl.sum(qa, 1) - tl.sum(qa, 0)
+    p = dA * b[:, None]
+    dk += _dot_xa(p * rk[None, :], k, X2, PREC, DT) + _dot_xa(tl.trans(p) * rk[None, :], k, X2, PREC, DT)
+    tl.store(db_ptr + tok * HV + hv, db.to(db_ptr.dtype.element_ty), mask=valid)
+    tl.store(dgc_ptr + tok * HV + hv, dgc, mask=valid)
+    tl.store(dkw_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], dk, mask=mk)
+
+
+@triton.jit
+def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_ptr, dgc_ptr, dkw_ptr,
+             dq_acc_ptr, dk_acc_ptr, dq_ptr, dk_ptr, dg_ptr, chunks_ptr, scale,
+             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+             X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Output and state terms of dq, dk, dg; sums the value heads of the group; back through the l2norm."""
+    pid_c = tl.program_id(0)
+    h = tl.program_id(1)
+    G: tl.constexpr = HV // H
+    start = tl.load(chunks_ptr + pid_c * 3 + 1).to(tl.int64)
+    end = tl.load(chunks_ptr + pid_c * 3 + 2).to(tl.int64)
+    rows = tl.arange(0, 64)
+    tok = start + rows
+    valid = tok < end
+    last_row = tl.minimum(end - start, 64) - 1
+    ck = tl.arange(0, BK)
+    mk = valid[:, None] & (ck[None, :] < K)
+    qk_off = tok[:, None] * (H * K) + h * K + ck[None, :]
+    q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
+    k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
+    rq = _rows(rq_ptr, tok, H, h, valid, L2)
+    rk = _rows(rk_ptr, tok, H, h, valid, L2)
+    for j in tl.static_range(G):
+        hv = h * G + j
+        gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
+        gl = tl.load(gc_ptr + (start + last_row) * HV + hv)
+        dqi = tl.zeros([64, BK], dtype=tl.float32)
+        dkh = tl.zeros([64, BK], dtype=tl.float32)
+        ds = tl.zeros([64, 64], dtype=tl.float32)
+        dgl = tl.zeros([BK], dtype=tl.float32)
+        st_base = (pid_c.to(tl.int64) * HV + hv) * (K * V)
+        for vb in range(tl.cdiv(V, BV)):
+            cv = vb * BV + tl.arange(0, BV)
+            mv = valid[:, None] & (cv[None, :] < V)
+            mkv = (ck[:, None] < K) & (cv[None, :] < V)
+            tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
+            st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
+            dst = tl.load(dhs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
+            vn = tl.load(vn_ptr + tv_off, mask=mv, other=0.0)
+            do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(vn.dtype)
+            dqi += tl.dot(do, tl.trans(st), input_precision=PREC)
+            ds += tl.dot(do, tl.trans(vn), input_precision=PREC)
+            dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
+            dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
+        eg = tl.where(valid, tl.exp(gc), 0.0)
+        egl = tl.where(valid, tl.exp(gl - gc), 0.0)
+        dsd = ds * _chunk_decay(gc, valid, False) * scale
+        dmd = dsd * tl.dot(q, tl.trans(k), input_precision=PREC) * rq[:, None] * rk[None, :]
+        dgc = tl.sum(dmd, 1) - tl.sum(dmd, 0)
+        # dqhat: inter-chunk term diag(scale exp(gc)) do h^T, intra-chunk term (ds o D) khat
+        dgc += tl.sum(q.to(tl.float32) * dqi, 1) * rq * eg * scale
+        dq = dqi * (eg * scale)[:, None] + _dot_xa(dsd * rk[None, :], k, X2, PREC, DT)
+        if j > 0:
+            dq += tl.load(dq_acc_ptr + qk_off, mask=mk, other=0.0)
+        tl.store(dq_acc_ptr + qk_off, dq, mask=mk)
+        # dkhat: through h_next = exp(gl) h + khat^T diag(exp(gl - gc)) v', the intra-chunk term and
+        # the WY part from _bwd_wy
+        e = egl * rk * tl.sum(k.to(tl.float32) * dkh, 1)
+        dk = dkh * egl[:, None] + _dot_xa(tl.trans(dsd) * rq[None, :], q, X2, PREC, DT)
+        dk += tl.load(dkw_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)
+        if j > 0:
+            dk += tl.load(dk_acc_ptr + qk_off, mask=mk, other=0.0)
+        tl.store(dk_acc_ptr + qk_off, dk, mask=mk)
+        dgc -= e
+        dgc += tl.where(rows == last_row, tl.exp(gl) * tl.sum(dgl, 0) + tl.sum(e, 0), 0.0)
+        dgc += tl.load(dgc_ptr + tok * HV + hv, mask=valid, other=0.0)
+        dg = tl.cumsum(tl.where(valid, dgc, 0.0), 0, reverse=True)
+        tl.store(dg_ptr + tok * HV + hv, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+        tl.debug_barrier()
+    dq = tl.load(dq_acc_ptr + qk_off, mask=mk, other=0.0)
+    dk = tl.load(dk_acc_ptr + qk_off, mask=mk, other=0.0)
+    if L2:
+        # xhat = x r with r = rsqrt(|x|^2 + eps):  dx = r (dxhat - xhat (xhat . dxhat))
+        yq = q.to(tl.float32) * rq[:, None]
+        yk = k.to(tl.float32) * rk[:, None]
+        dq = (dq - yq * tl.sum(yq * dq, 1)[:, None]) * rq[:, None]
+        dk = (dk - yk * tl.sum(yk * dk, 1)[:, None]) * rk[:, None]
+    tl.store(dq_ptr + qk_off, dq.to(dq_ptr.dtype.element_ty), mask=mk)
+    tl.store(dk_ptr + qk_off, dk.to(dk_ptr.dtype.element_ty), mask=mk)

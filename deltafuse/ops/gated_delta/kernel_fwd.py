@@ -1,0 +1,215 @@
+"""Chunked gated delta rule in Triton: the device helpers and the forward kernels.
+
+The recurrence, the chunk algebra and the grid of every kernel are described in ``kernel.py`` (the op's Triton
+entry, which launches these kernels); the backward kernels are in ``kernel_bwd.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# --------------------------------------------------------------------------------------------------
+# device helpers
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _unit_lower_inverse(A, PREC: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular fp32 [64, 64] tile A.
+
+    The four diagonal 16x16 blocks are inverted by forward substitution (all four at once, as a
+    [4, 16, 16] batch). With D the block-diagonal part of I + A and L the rest, I + A = D (I + N) with
+    N = D^-1 L strictly block-lower, so N^4 = 0 and (I + A)^-1 = (I - N)(I + N^2) D^-1.
+    """
+    r64 = tl.arange(0, 64)
+    r16 = tl.arange(0, 16)
+    r4 = tl.arange(0, 4)
+    same_blk = r4[:, None, None, None] == r4[None, None, :, None]  # [4, 1, 4, 1]
+    A4 = tl.reshape(A, [4, 16, 4, 16])
+    A3 = tl.sum(tl.where(same_blk, A4, 0.0), axis=2)  # [4, 16, 16]: diagonal blocks
+    Ti = tl.zeros([4, 16, 16], dtype=tl.float32)
+    for i in tl.static_range(16):
+        a_row = tl.sum(tl.where(r16[None, :, None] == i, A3, 0.0), axis=1)  # [4, 16] = A3[:, i, :]
+        new = tl.where(r16[None, :] == i, 1.0, 0.0) - tl.sum(a_row[:, :, None] * Ti, axis=1)
+        Ti = tl.where(r16[None, :, None] == i, new[:, None, :], Ti)
+    Dinv = tl.reshape(tl.where(same_blk, Ti[:, :, None, :], 0.0), [64, 64])
+    blk = r64 // 16
+    L = tl.where(blk[:, None] > blk[None, :], A, 0.0)
+    eye = tl.where(r64[:, None] == r64[None, :], 1.0, 0.0)
+    N = tl.dot(Dinv, L, input_precision=PREC)
+    N2 = tl.dot(N, N, input_precision=PREC)
+    P = eye - N + N2 - tl.dot(N, N2, input_precision=PREC)
+    return tl.dot(P, Dinv, input_precision=PREC)
+
+
+@triton.jit
+def _chunk_decay(gc, valid, STRICT: tl.constexpr):
+    """exp(gc_i - gc_j) on the lower triangle (strict or inclusive) of valid rows/cols, else 0."""
+    r = tl.arange(0, 64)
+    if STRICT:
+        m = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
+    else:
+        m = (r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :]
+    d = tl.where(m, gc[:, None] - gc[None, :], 0.0)
+    return tl.where(m, tl.exp(d), 0.0)
+
+
+@triton.jit
+def _dot_x(a, b, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """a @ b for ``a`` exact in DT (loaded inputs or stored values) and fp32 ``b``.
+
+    X2: ``b`` is split into two DT parts (hi + lo) and both go through 16-bit tensor-core products, which
+    keeps about 16 mantissa bits of ``b``; otherwise one fp32 product at precision PREC.
+    """
+    if X2 and a.dtype != tl.float32:
+        bh = b.to(DT)
+        bl = (b - bh.to(tl.float32)).to(DT)
+        return tl.dot(a, bl, acc=tl.dot(a, bh))
+    else:
+        return tl.dot(a.to(tl.float32), b, input_precision=PREC)
+
+
+@triton.jit
+def _dot_xa(a, b, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """a @ b for fp32 ``a`` and ``b`` exact in DT (the mirror of _dot_x)."""
+    if X2 and b.dtype != tl.float32:
+        ah = a.to(DT)
+        al = (a - ah.to(tl.float32)).to(DT)
+        return tl.dot(al, b, acc=tl.dot(ah, b))
+    else:
+        return tl.dot(a, b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _rows(r_ptr, tok, H: tl.constexpr, h, valid, L2: tl.constexpr):
+    """Per-row l2norm factors rsqrt(|x|^2 + eps) of q or k (ones when the l2norm is off)."""
+    if L2:
+        return tl.load(r_ptr + tok * H + h, mask=valid, other=0.0)
+    else:
+        return tl.where(valid, 1.0, 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# forward kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _l2norm_rstd(q_ptr, k_ptr, rq_ptr, rk_ptr, TT, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """rsqrt(|x|^2 + eps) per row of q and of k. Kernels scale products by these factors instead of
+    reading normalised copies, so the normalised rows are never rounded to 16 bits."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    tok = pid_t.to(tl.int64) * 64 + tl.arange(0, 64)
+    valid = tok < TT
+    ck = tl.arange(0, BK)
+    m = valid[:, None] & (ck[None, :] < K)
+    off = tok[:, None] * (H * K) + h * K + ck[None, :]
+    x = tl.load(q_ptr + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(rq_ptr + tok * H + h, 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6), mask=valid)
+    x = tl.load(k_ptr + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(rk_ptr + tok * H + h, 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6), mask=valid)
+
+
+@triton.jit
+def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv_ptr, chunks_ptr,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, STORE_T: tl.constexpr,
+               X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    pid_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    h = hv // (HV // H)
+    start = tl.load(chunks_ptr + pid_c * 3 + 1).to(tl.int64)
+    end = tl.load(chunks_ptr + pid_c * 3 + 2).to(tl.int64)
+    rows = tl.arange(0, 64)
+    tok = start + rows
+    valid = tok < end
+    ck = tl.arange(0, BK)
+    g = tl.load(g_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
+    gc = tl.cumsum(g, 0)
+    tl.store(gc_ptr + tok * HV + hv, gc, mask=valid)
+    b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
+    rk = _rows(rk_ptr, tok, H, h, valid, L2)
+    k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :],
+                mask=valid[:, None] & (ck[None, :] < K), other=0.0)
+    kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
+    Tm = _unit_lower_inverse(kk * _chunk_decay(gc, valid, True) * b[:, None], PREC)
+    if STORE_T:
+        tl.store(tinv_ptr + tok[:, None] * (HV * 64) + hv * 64 + rows[None, :], Tm, mask=valid[:, None])
+    eg = tl.where(valid, tl.exp(gc), 0.0)
+    # w = T diag(beta exp(gc) rk) k;  u = T diag(beta) v
+    w = _dot_xa(Tm * (b * eg * rk)[None, :], k, X2, PREC, DT)
+    tl.store(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=valid[:, None] & (ck[None, :] < K))
+    Tb = Tm * b[None, :]
+    for vb in range(tl.cdiv(V, BV)):
+        cv = vb * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        v = tl.load(v_ptr + tok[:, None] * (HV * V) + hv * V + cv[None, :], mask=mv, other=0.0)
+        u = _dot_xa(Tb, v, X2, PREC, DT)
+        tl.store(u_ptr + tok[:, None] * (HV * V) + hv * V + cv[None, :], u.to(u_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _state_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_ptr, vn_ptr, o_ptr, ht_ptr,
+               cu_ptr, coff_ptr, scale,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+               HAS_H0: tl.constexpr, STORE_HS: tl.constexpr, WRITE_O: tl.constexpr, STORE_HT: tl.constexpr,
+               X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """The sequential pass over chunks. WRITE_O: also the output of each chunk, from the fp32 state in
+    registers (forward). STORE_HS: store the state at each chunk start and v' (backward recompute)."""
+    # one grid axis, V blocks fastest (the order of the former [V block, sequence x head] grid): a second
+    # axis is limited to 65,535 programs, fewer than sequences x heads of a row of many short sequences
+    pid = tl.program_id(0)
+    pid_v = pid % ((V + BV - 1) // BV)
+    pid_nh = pid // ((V + BV - 1) // BV)
+    n = pid_nh // HV
+    hv = pid_nh % HV
+    h = hv // (HV // H)
+    bos = tl.load(cu_ptr + n).to(tl.int64)
+    eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + n).to(tl.int64)
+    nt = tl.cdiv(eos - bos, 64)
+    rows = tl.arange(0, 64)
+    ck = tl.arange(0, BK)
+    cv = pid_v * BV + tl.arange(0, BV)
+    mkv = (ck[:, None] < K) & (cv[None, :] < V)
+    state_off = ck[:, None] * V + cv[None, :]
+    st = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        st = tl.load(h0_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, mask=mkv, other=0.0).to(tl.float32)
+    for i in range(nt):
+        start = bos + i * 64
+        tok = start + rows
+        valid = tok < eos
+        if STORE_HS:
+            tl.store(hs_ptr + ((coff + i) * HV + hv) * (K * V) + state_off, st.to(hs_ptr.dtype.element_ty), mask=mkv)
+        mk = valid[:, None] & (ck[None, :] < K)
+        mv = valid[:, None] & (cv[None, :] < V)
+        tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
+        w = tl.load(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)
+        u = tl.load(u_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
+        vn = u - _dot_x(w, st, X2, PREC, DT)
+        if STORE_HS:
+            tl.store(vn_ptr + tv_off, vn.to(vn_ptr.dtype.element_ty), mask=mv)
+        k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+        rk = _rows(rk_ptr, tok, H, h, valid, L2)
+        gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
+        last = tl.minimum(start + 63, eos - 1)
+        gl = tl.load(gc_ptr + last * HV + hv)
+        if WRITE_O:
+            q = tl.load(q_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+            rq = _rows(rq_ptr, tok, H, h, valid, L2)
+            eg = tl.where(valid, tl.exp(gc), 0.0)
+            o = _dot_x(q, st, X2, PREC, DT) * (rq * eg)[:, None]
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * _chunk_decay(gc, valid, False)
+            s = s * rq[:, None] * rk[None, :]
+            o += tl.dot(s, vn, input_precision=PREC)
+            tl.store(o_ptr + tv_off, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
+        # h_next = exp(gl) h + k^T diag(rk exp(gl - gc)) v'
+        vd = vn * (rk * tl.where(valid, tl.exp(gl - gc), 0.0))[:, None]
+        st = st * tl.exp(gl) + _dot_x(tl.trans(k), vd, X2, PREC, DT)
+    if STORE_HT:
+        tl.store(ht_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, st, mask=mkv)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from deltafuse import verify
 from deltafuse.integrations.transformers import adapters, adapters_fused
+from deltafuse.integrations.transformers import packing as pk
 from deltafuse.ops.attention import packed as packed_ops
 from tests.helpers import gpu, needs_cuda
 
@@ -64,10 +65,10 @@ def test_block_causal_only_without_mask_and_explicit_boundaries():
 
     def original(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                  inputs_embeds=None, use_cache=None, **kwargs):
-        seen.append(kwargs.get(adapters.PACKING_KWARG))
+        seen.append(kwargs.get(pk.PACKING_KWARG))
         return None
 
-    wrapped = adapters.wrap_text_model_forward(original)
+    wrapped = pk.wrap_text_model_forward(original)
     ids = torch.zeros(1, 6, dtype=torch.long)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
     wrapped(m, input_ids=ids, position_ids=pos)

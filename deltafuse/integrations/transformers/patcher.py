@@ -98,7 +98,8 @@ class ReportRow:
         if self.module:
             text = text.replace(self.module + ".", "")
         for prefix in ("deltafuse.integrations.transformers.adapters.",
-                       "deltafuse.integrations.transformers.adapters_fused."):
+                       "deltafuse.integrations.transformers.adapters_fused.",
+                       "deltafuse.integrations.transformers.packing."):
             text = text.replace(prefix, "deltafuse.")
         return text
 

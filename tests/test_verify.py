@@ -11,13 +11,13 @@ import torch
 from deltafuse import patching, verify
 from deltafuse.cli import main
 from deltafuse.integrations.transformers import PATCHER, adapters
-from deltafuse.models import build_model
+from deltafuse.models import TINY_NAMES, build_model
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
+@pytest.mark.parametrize("name", list(TINY_NAMES))
 def test_verify_model_passes(name, packed):
     result = verify.verify_model(name, packed=packed)
     assert result.ok, result.format()

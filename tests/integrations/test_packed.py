@@ -14,7 +14,7 @@ import deltafuse
 from deltafuse import patching
 from deltafuse.integrations.transformers import adapters
 from deltafuse.integrations.transformers import packing as pk
-from deltafuse.models import build_model
+from deltafuse.models import TINY_NAMES, build_model
 from deltafuse.ops import causal_conv1d_fn, chunk_gated_delta_rule
 from tests.integrations import (RTOL, assert_grads_close, grads, packed_inputs, per_sequence_stock, rel_max)
 
@@ -125,7 +125,7 @@ def test_packed_other_families(name):
 
 # --- which position_ids and masks mark boundaries ----------------------------------------------------------
 MRope = ("tiny", "tiny-moe")  # the Qwen3.5 families read [3|4, B, T] position_ids; Qwen3-Next reads [B, T]
-LAYOUTS = [(m, "all-ones-mask") for m in ("tiny", "tiny-moe", "tiny-next")] + \
+LAYOUTS = [(m, "all-ones-mask") for m in TINY_NAMES] + \
     [(m, layout) for m in MRope for layout in ("rows3", "rows4", "rows3+all-ones-mask")]
 
 

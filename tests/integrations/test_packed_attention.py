@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from deltafuse import verify
 from deltafuse.integrations.transformers import adapters, adapters_fused
 from deltafuse.integrations.transformers import packing as pk
+from deltafuse.models import TINY_NAMES
 from deltafuse.ops.attention import packed as packed_ops
 from tests.helpers import gpu, needs_cuda
 
@@ -79,7 +80,7 @@ def test_block_causal_only_without_mask_and_explicit_boundaries():
     assert not seen[-1].block_causal  # the user's positions do not restart: transformers builds plain causal
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-moe", "tiny-next"])
+@pytest.mark.parametrize("model", list(TINY_NAMES))
 def test_packed_model_with_the_route_equals_per_sequence_stock(monkeypatch, model):
     calls = []
     real = packed_ops.causal_attention_by_sequence

@@ -13,7 +13,7 @@ from deltafuse.backends import REGISTRY, Candidate
 from deltafuse.config import SettingsError
 from deltafuse.integrations.transformers import FAMILY_MAPS, PATCHER, adapters
 from deltafuse.integrations.transformers import packing as pk
-from deltafuse.models import build_model
+from deltafuse.models import TINY_NAMES, build_model
 from tests.integrations import (RTOL, assert_same_objects, family_modules, grads, packed_inputs, rel_max,
                                 snapshot)
 
@@ -36,7 +36,7 @@ def gdn_layers(model, family="qwen3_5"):
 
 
 # --- apply / revert --------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
+@pytest.mark.parametrize("name", list(TINY_NAMES))
 def test_apply_then_revert_restores_every_object(name):
     model = build_model(name)
     family = FAMILY_OF[name]

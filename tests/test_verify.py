@@ -80,7 +80,7 @@ def test_refuses_when_already_applied():
 
 def test_fails_when_packed_sequences_leak(monkeypatch, capsys):
     """If the conv ignored the boundaries, verify --packed must say so and exit 1."""
-    monkeypatch.setattr(adapters, "_conv_seq_idx", lambda x, seq_idx, cu_seqlens: None)
+    monkeypatch.setattr(adapters, "_conv_seq_idx", lambda x, packing: None)
     assert main(["verify", "--model", "tiny", "--packed"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "logits" in out.split("FAIL")[-1]

@@ -1,51 +1,39 @@
 """Named model configurations built in code (random init, no downloads), and local model loading.
 
-``tiny``, ``tiny-moe`` and ``tiny-next`` are CPU-sized versions of the three families; ``dense8`` and
-``moe8`` are the Qwen3.5-9B / Qwen3.5-35B-A3B text configs cut to 8 layers (the benchmark shapes of
-DESIGN.md); ``dense`` and ``moe`` are the same configs at full depth, for memory planning.
+The families, their classes and their CPU-sized test models (``tiny``, ``tiny-moe``, ``tiny-next``) come from
+the family maps (``deltafuse.integrations.transformers``); ``dense8`` and ``moe8`` are the Qwen3.5-9B /
+Qwen3.5-35B-A3B text configs cut to 8 layers (the end-to-end benchmark shapes of BENCHMARKS.md); ``dense``
+and ``moe`` are the same configs at full depth, for memory planning.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass, field
 
 import torch
 
-TINY_GDN = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096, vocab_size=512,
-    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-)
-TINY_MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
-                num_experts_per_tok=2)
+from deltafuse.integrations.transformers import FAMILY_MAPS, FamilyMap
+
+FAMILIES: dict[str, FamilyMap] = {m.family: m for m in FAMILY_MAPS}
+# the CPU-sized test model of every family, in the order of the maps
+TINY_NAMES: tuple[str, ...] = tuple(m.tiny_name for m in FAMILY_MAPS)
 
 
 @dataclass(frozen=True)
 class NamedModel:
-    family: str  # qwen3_5 | qwen3_5_moe | qwen3_next
+    family: str  # a key of FAMILIES
     overrides: dict = field(default_factory=dict)
     doc: str = ""
 
 
 NAMED_MODELS: dict[str, NamedModel] = {
-    "tiny": NamedModel("qwen3_5", dict(TINY_GDN), "Qwen3.5 dense, 4 layers, hidden 64 (CPU)"),
-    "tiny-moe": NamedModel("qwen3_5_moe", {k: v for k, v in {**TINY_GDN, **TINY_MOE}.items()
-                                           if k != "intermediate_size"},
-                           "Qwen3.5-MoE, 4 layers, 8 experts top-2 (CPU)"),
-    "tiny-next": NamedModel("qwen3_next", {**TINY_GDN, **TINY_MOE, "norm_topk_prob": True},
-                            "Qwen3-Next, 4 layers, 8 experts top-2 (CPU)"),
+    **{m.tiny_name: NamedModel(m.family, dict(m.tiny_config), m.doc) for m in FAMILY_MAPS},
     "dense8": NamedModel("qwen3_5", dict(num_hidden_layers=8), "Qwen3.5-9B text config, 8 layers"),
     "moe8": NamedModel("qwen3_5_moe", dict(num_hidden_layers=8), "Qwen3.5-35B-A3B text config, 8 layers"),
     "dense": NamedModel("qwen3_5", {}, "Qwen3.5-9B text config, full depth"),
     "moe": NamedModel("qwen3_5_moe", {}, "Qwen3.5-35B-A3B text config, full depth"),
-}
-
-_FAMILY_CLASSES = {
-    "qwen3_5": ("transformers.models.qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
-    "qwen3_5_moe": ("transformers.models.qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
-    "qwen3_next": ("transformers.models.qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM"),
 }
 
 
@@ -54,18 +42,26 @@ class UnknownModelError(ValueError):
 
 
 def _classes(family: str):
-    import importlib
-
-    module_name, config_name, model_name = _FAMILY_CLASSES[family]
+    """(config class, causal LM class) that the named models of ``family`` are built from."""
+    fmap = FAMILIES[family]
+    config_name, model_name = fmap.config_classes[0], fmap.model_classes[0]
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(fmap.package)
         return getattr(module, config_name), getattr(module, model_name)
     except (ImportError, AttributeError) as exc:
         import transformers
 
         raise UnknownModelError(
             f"transformers {transformers.__version__} has no {config_name}/{model_name} "
-            f"(the {family} family needs transformers >= 5.2): {exc}") from exc
+            f"(the {fmap.title} family, {fmap.package}): {exc}") from exc
+
+
+def supported_families() -> str:
+    """The supported families and their config classes, for messages."""
+    titles = [m.title for m in FAMILIES.values()]
+    names = ", ".join(titles[:-1]) + " and " + titles[-1] if len(titles) > 1 else titles[0]
+    configs = ", ".join(c for m in FAMILIES.values() for c in m.config_classes)
+    return f"{names} causal LMs (configs {configs})"
 
 
 def build_config(name: str, **overrides):
@@ -75,10 +71,7 @@ def build_config(name: str, **overrides):
         raise UnknownModelError(f"unknown model {name!r}; known names: {known}, or a local HF directory")
     spec = NAMED_MODELS[name]
     config_cls, _ = _classes(spec.family)
-    fields = {**spec.overrides, **overrides}
-    if spec.family == "qwen3_next" and "intermediate_size" not in overrides:
-        fields.setdefault("intermediate_size", 128)
-    return config_cls(**fields)
+    return config_cls(**{**spec.overrides, **overrides})
 
 
 def build_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -145,18 +138,22 @@ def load_local_model(path: str, *, dtype: torch.dtype = torch.float32, device: s
     return model.to(device)
 
 
-def config_family(config) -> str | None:
-    """'qwen3_5', 'qwen3_5_moe' or 'qwen3_next' for the config of a supported model, else None."""
-    return _family_of_module(type(config).__module__)
-
-
-def _family_of_module(module: str) -> str | None:
-    for family in ("qwen3_5_moe", "qwen3_5", "qwen3_next"):
-        if f".{family}." in module or module.endswith(f".{family}"):
-            return family
+def _family_of(cls: type, names: str) -> str | None:
+    """The family one of whose ``names`` ("config_classes" or "model_classes") is ``cls`` or a base class of
+    it, defined in that family's package; else None. Exact class names: no order between families matters."""
+    for c in getattr(cls, "__mro__", ()):
+        module = getattr(c, "__module__", "") or ""
+        for fmap in FAMILIES.values():
+            if c.__name__ in getattr(fmap, names) and module.startswith(fmap.package + "."):
+                return fmap.family
     return None
 
 
+def config_family(config) -> str | None:
+    """The family (a key of FAMILIES) of the config of a supported model, else None."""
+    return _family_of(type(config), "config_classes")
+
+
 def model_family(model) -> str | None:
-    """'qwen3_5', 'qwen3_5_moe' or 'qwen3_next' for a supported model object, else None."""
-    return _family_of_module(type(model).__module__)
+    """The family (a key of FAMILIES) of a supported model object, else None."""
+    return _family_of(type(model), "model_classes")

@@ -50,11 +50,12 @@ import contextlib
 import json
 import math
 import os
-import re
 import sys
-from dataclasses import asdict, dataclass, field
 
 import torch
+
+from deltafuse.verify_report import Comparison, VerifyResult  # noqa: F401 (Comparison: part of this module's API)
+from deltafuse.verify_report import compare as _compare
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -72,106 +73,6 @@ SEED_LIMIT = 2**63 - 1  # the batch generator is seeded with seed + 1
 
 class VerifyError(ValueError):
     """verify cannot run as asked (bad model name, dtype or device, deltafuse already applied ...)."""
-
-
-@dataclass
-class Comparison:
-    name: str
-    max_abs: float
-    rel: float
-    ok: bool
-    shape: tuple = ()
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class VerifyResult:
-    model: str
-    family: str | None
-    packed: bool
-    device: str
-    dtype: str
-    rtol: float
-    atol: float
-    transformers: str
-    comparisons: list[Comparison] = field(default_factory=list)
-    batch: dict = field(default_factory=dict)
-    patch_rows: int = 0
-    # MoE routers: name -> [tokens routed differently from stock, tokens]; pinned: whether those tokens were
-    # routed as stock routed them for the comparison (16-bit runs)
-    routing: dict = field(default_factory=dict)
-    routing_pinned: bool = False
-    # what the stock side ran: "stock" (transformers as installed) or "stock-torch" (transformers' own
-    # pure-torch GDN functions, because stock's own fast path cannot run here: baseline_reason says why)
-    baseline: str = "stock"
-    baseline_swapped: list = field(default_factory=list)
-    baseline_reason: str = ""
-
-    @property
-    def rerouted(self) -> int:
-        return sum(d for d, _ in self.routing.values())
-
-    @property
-    def ok(self) -> bool:
-        routing_ok = self.routing_pinned or self.rerouted == 0
-        return bool(self.comparisons) and all(c.ok for c in self.comparisons) and routing_ok
-
-    @property
-    def failures(self) -> list[Comparison]:
-        return [c for c in self.comparisons if not c.ok]
-
-    def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "comparisons"}
-        out["ok"] = self.ok
-        out["comparisons"] = [c.to_dict() for c in self.comparisons]
-        return out
-
-    def baseline_line(self) -> str:
-        if self.baseline == "stock":
-            return "baseline: stock transformers as installed"
-        places = ", ".join(dict.fromkeys(re.sub(r"layers\.\d+\.", "layers.*.", s.split(":")[0])
-                                         for s in self.baseline_swapped))
-        return (f"baseline: stock transformers with its own pure-torch GDN functions at {places} (stock's own "
-                f"choice cannot run here: {self.baseline_reason})")
-
-    def format(self, limit: int | None = None) -> str:
-        head = (f"deltafuse verify: {self.model} ({self.family}), {'packed' if self.packed else 'unpacked'} batch "
-                f"{self.batch}, {self.device} {self.dtype}, transformers {self.transformers}\n"
-                f"tolerance: rel <= {self.rtol:g} (or max_abs <= {self.atol:.3g}); rel = max|a-b| / max|stock|")
-        width = max([len(c.name) for c in self.comparisons] + [4])
-        lines = [head, self.baseline_line(), f"{'tensor':<{width}}  {'max_abs':>10}  {'rel':>10}  ok"]
-        shown = self.comparisons if limit is None else self.comparisons[:limit]
-        for c in shown:
-            lines.append(f"{c.name:<{width}}  {c.max_abs:10.3e}  {c.rel:10.3e}  {'yes' if c.ok else 'NO'}")
-        if limit is not None and len(self.comparisons) > limit:
-            lines.append(f"... {len(self.comparisons) - limit} more")
-        grads = [c for c in self.comparisons if c.name.startswith("grad ")]
-        worst = max(grads, key=lambda c: c.rel, default=None)
-        summary = f"{len(self.comparisons)} tensors compared ({len(grads)} parameter gradients)"
-        if worst is not None:
-            summary += f"; worst gradient {worst.name[5:]} rel {worst.rel:.3e}"
-        lines.append(summary)
-        if self.routing:
-            moved = {n: v for n, v in self.routing.items() if v[0]}
-            tokens = max(t for _, t in self.routing.values())
-            if not moved:
-                lines.append(f"routing: every token went to the same experts as in stock ({len(self.routing)} "
-                             f"router(s), {tokens} tokens each)")
-            else:
-                what = ", ".join(f"{n} {d}/{t}" for n, (d, t) in moved.items())
-                how = ("routed as stock routed them for the comparison (top-k ties within 16-bit rounding)"
-                       if self.routing_pinned else "a failure in fp32")
-                lines.append(f"routing: {self.rerouted} token(s) chose other experts than in stock ({what}); {how}")
-        if self.ok:
-            lines.append("PASS")
-        else:
-            lines.append(f"FAIL: {len(self.failures)} tensor(s) out of tolerance"
-                         + (": " + ", ".join(c.name for c in self.failures[:10]) if self.failures else "")
-                         + ("" if self.routing_pinned or not self.rerouted else
-                            f"; {self.rerouted} token(s) routed to other experts than in stock"))
-        return "\n".join(lines)
 
 
 def _in_backward() -> bool:
@@ -243,23 +144,6 @@ class _Routing:
         return hook
 
 
-def _compare(name: str, got: torch.Tensor | None, ref: torch.Tensor | None, rtol: float, atol: float) -> Comparison:
-    if got is None or ref is None:
-        ok = got is None and ref is None
-        return Comparison(name, 0.0 if ok else math.inf, 0.0 if ok else math.inf, ok)
-    if got.shape != ref.shape:
-        return Comparison(name, math.inf, math.inf, False, tuple(ref.shape))
-    a, b = got.detach().double(), ref.detach().double()
-    if a.numel() == 0:
-        return Comparison(name, 0.0, 0.0, True, tuple(b.shape))
-    if not torch.isfinite(a).all() or not torch.isfinite(b).all():
-        return Comparison(name, math.inf, math.inf, False, tuple(b.shape))
-    max_abs = (a - b).abs().max().item()
-    scale = b.abs().max().item()
-    rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    return Comparison(name, max_abs, rel, rel <= rtol or max_abs <= atol, tuple(b.shape))
-
-
 def check_model_arg(name_or_path: str, trust_remote_code: bool = False) -> str:
     """The family of ``--model`` (a known name or a local directory), found without building or loading
     the model; VerifyError / FileNotFoundError name the argument, the value and what is allowed."""
@@ -273,8 +157,7 @@ def check_model_arg(name_or_path: str, trust_remote_code: bool = False) -> str:
         family = models.config_family(config)
         if family is None:
             raise VerifyError(f"--model {name_or_path!r} is a {type(config).__name__} model (model_type "
-                              f"{getattr(config, 'model_type', None)!r}); allowed: Qwen3.5, Qwen3.5-MoE and "
-                              "Qwen3-Next causal LMs (model_type qwen3_5*, qwen3_5_moe*, qwen3_next)")
+                              f"{getattr(config, 'model_type', None)!r}); allowed: {models.supported_families()}")
         return family
     if name_or_path in models.NAMED_MODELS:
         return models.NAMED_MODELS[name_or_path].family
@@ -292,8 +175,8 @@ def _build(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: in
         model = models.build_model(name_or_path, dtype=dtype, device=device, seed=seed)
     family = models.model_family(model)
     if family is None:
-        raise VerifyError(f"--model {name_or_path!r} is a {type(model).__name__}, not a Qwen3.5 / Qwen3.5-MoE / "
-                          "Qwen3-Next causal LM")
+        raise VerifyError(f"--model {name_or_path!r} is a {type(model).__name__}; allowed: "
+                          f"{models.supported_families()}")
     return model, family
 
 
@@ -535,8 +418,10 @@ def _verify(model, name_or_path, family, packed, device, dtype, rtol, generator,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from deltafuse import models
+
     parser.add_argument("--model", default="tiny", metavar="NAME|PATH",
-                        help="tiny, tiny-moe, tiny-next (CPU sizes), dense8, moe8, or a local HF model directory "
+                        help=f"{', '.join(models.TINY_NAMES)} (CPU sizes), dense8, moe8, or a local HF model directory "
                              "(default: tiny)")
     parser.add_argument("--packed", action="store_true",
                         help="a packed batch (position_ids restarting) vs stock runs of each sequence alone")

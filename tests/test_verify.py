@@ -11,13 +11,13 @@ import torch
 from deltafuse import patching, verify
 from deltafuse.cli import main
 from deltafuse.integrations.transformers import PATCHER, adapters
-from deltafuse.models import build_model
+from deltafuse.models import TINY_NAMES, build_model
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
+@pytest.mark.parametrize("name", list(TINY_NAMES))
 def test_verify_model_passes(name, packed):
     result = verify.verify_model(name, packed=packed)
     assert result.ok, result.format()
@@ -80,7 +80,7 @@ def test_refuses_when_already_applied():
 
 def test_fails_when_packed_sequences_leak(monkeypatch, capsys):
     """If the conv ignored the boundaries, verify --packed must say so and exit 1."""
-    monkeypatch.setattr(adapters, "_conv_seq_idx", lambda x, seq_idx, cu_seqlens: None)
+    monkeypatch.setattr(adapters, "_conv_seq_idx", lambda x, packing: None)
     assert main(["verify", "--model", "tiny", "--packed"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "logits" in out.split("FAIL")[-1]

@@ -171,23 +171,31 @@ def values_checkable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or config.env_switch("DELTAFUSE_VALIDATE")
 
 
-_HOST = "_deltafuse_host_offsets"
+# Lookups ``cu -> tuple[int, ...] | None`` of layers that know the values of the offsets tensors they built
+# (registered by them; the ops layer keeps no copy itself).
+_HOST_OFFSETS_LOOKUPS: list = []
 
 
-def remember_host_offsets(cu: torch.Tensor, values) -> torch.Tensor:
-    """Attach the host-side copy of an offsets tensor's values (known to whoever built it), so that ops
-    reading them do not copy them back from the accelerator (a synchronisation per call). Returns ``cu``."""
-    setattr(cu, _HOST, (cu._version, tuple(int(v) for v in values)))
-    return cu
+def register_host_offsets(lookup) -> None:
+    """Register ``lookup(cu)``: the host-side values of an offsets tensor its caller built, or None."""
+    if lookup not in _HOST_OFFSETS_LOOKUPS:
+        _HOST_OFFSETS_LOOKUPS.append(lookup)
+
+
+def known_host_offsets(cu: torch.Tensor) -> tuple[int, ...] | None:
+    """The values of ``cu`` as a registered lookup knows them (no device read), else None."""
+    for lookup in _HOST_OFFSETS_LOOKUPS:
+        known = lookup(cu)
+        if known is not None and len(known) == cu.numel():
+            return known
+    return None
 
 
 def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
-    """The values of a 1-D offsets tensor as Python ints: the attached copy while the tensor is unchanged,
-    else read from the tensor (which waits for the accelerator)."""
-    known = getattr(cu, _HOST, None)
-    if known is not None and known[0] == cu._version and len(known[1]) == cu.numel():
-        return known[1]
-    return tuple(int(x) for x in cu.tolist())
+    """The values of a 1-D offsets tensor as Python ints: as a registered lookup knows them, else read from
+    the tensor (which waits for the accelerator)."""
+    known = known_host_offsets(cu)
+    return known if known is not None else tuple(int(x) for x in cu.tolist())
 
 
 def cu_seqlens(cu: torch.Tensor, batch: int, total: int) -> int:
@@ -201,7 +209,7 @@ def cu_seqlens(cu: torch.Tensor, batch: int, total: int) -> int:
         fail(f"cu_seqlens must hold at least 2 offsets (0 and T), got {cu.numel()}")
     if batch != 1:
         fail(f"cu_seqlens needs the batch dimension to be 1 (sequences packed along T), got B={batch}")
-    if values_checkable(cu) or getattr(cu, _HOST, None) is not None:
+    if values_checkable(cu) or known_host_offsets(cu) is not None:
         vals = list(host_offsets(cu))
         if vals[0] != 0:
             fail(f"cu_seqlens must start at 0, got {vals[0]}")

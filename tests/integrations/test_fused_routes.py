@@ -15,13 +15,13 @@ from deltafuse import patching
 from deltafuse.integrations.transformers import FAMILY_MAPS
 from deltafuse.integrations.transformers import adapters_fused as af
 from deltafuse.integrations.transformers.patcher import FamilyMap, Patcher, Route
-from deltafuse.models import build_model
+from deltafuse.models import TINY_NAMES, build_model
 from tests.integrations import (RTOL, assert_grads_close, count_op_calls, family_modules, grads, packed_inputs,
                                 per_sequence_stock, rel_max)
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
-NAMES = ["tiny", "tiny-moe", "tiny-next"]
+NAMES = list(TINY_NAMES)
 SMALL = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], vocab_size=97)
 OPS = ("rms_norm_zero_centered", "rms_norm_gated", "apply_rotary_pos_emb", "swiglu", "fused_linear_cross_entropy",
        "moe_experts")

@@ -9,12 +9,12 @@ import torch
 import deltafuse.ops
 from deltafuse import patching
 from deltafuse.integrations.transformers import adapters_fused as af
-from deltafuse.models import build_model
+from deltafuse.models import TINY_NAMES, build_model
 from tests.integrations import RTOL, assert_grads_close, grads, rel_max
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
-NAMES = ["tiny", "tiny-moe", "tiny-next"]
+NAMES = list(TINY_NAMES)
 SMALL = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], vocab_size=97)
 
 

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from deltafuse import verify
 from deltafuse.integrations.transformers import adapters, adapters_fused
+from deltafuse.integrations.transformers import packing as pk
+from deltafuse.models import TINY_NAMES
 from deltafuse.ops.attention import packed as packed_ops
 from tests.helpers import gpu, needs_cuda
 
@@ -64,10 +66,10 @@ def test_block_causal_only_without_mask_and_explicit_boundaries():
 
     def original(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                  inputs_embeds=None, use_cache=None, **kwargs):
-        seen.append(kwargs.get(adapters.PACKING_KWARG))
+        seen.append(kwargs.get(pk.PACKING_KWARG))
         return None
 
-    wrapped = adapters.wrap_text_model_forward(original)
+    wrapped = pk.wrap_text_model_forward(original)
     ids = torch.zeros(1, 6, dtype=torch.long)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
     wrapped(m, input_ids=ids, position_ids=pos)
@@ -78,7 +80,7 @@ def test_block_causal_only_without_mask_and_explicit_boundaries():
     assert not seen[-1].block_causal  # the user's positions do not restart: transformers builds plain causal
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-moe", "tiny-next"])
+@pytest.mark.parametrize("model", list(TINY_NAMES))
 def test_packed_model_with_the_route_equals_per_sequence_stock(monkeypatch, model):
     calls = []
     real = packed_ops.causal_attention_by_sequence

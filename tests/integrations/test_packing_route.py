@@ -14,6 +14,7 @@ import torch
 
 from deltafuse import ops
 from deltafuse.integrations.transformers import adapters
+from deltafuse.integrations.transformers import packing as pk
 from tests.integrations import rel_max
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -60,13 +61,13 @@ class OldDecoderLayer(torch.nn.Module):
 
 @pytest.fixture
 def wrapped(monkeypatch):
-    monkeypatch.setattr(OldGDN, "forward", adapters.wrap_gdn_forward(OldGDN.forward))
-    monkeypatch.setattr(OldDecoderLayer, "forward", adapters.wrap_decoder_layer_forward(OldDecoderLayer.forward))
+    monkeypatch.setattr(OldGDN, "forward", pk.wrap_gdn_forward(OldGDN.forward))
+    monkeypatch.setattr(OldDecoderLayer, "forward", pk.wrap_decoder_layer_forward(OldDecoderLayer.forward))
 
 
 def _packing():
     pos = torch.tensor([[0, 1, 2, 3, 0, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])
-    return adapters.packing_from_position_ids(pos, B, T), [[(0, 4), (4, 5), (5, 11)], [(0, 7), (7, 11)]]
+    return pk.packing_from_position_ids(pos, B, T), [[(0, 4), (4, 5), (5, 11)], [(0, 7), (7, 11)]]
 
 
 def _hidden(seed):
@@ -74,7 +75,7 @@ def _hidden(seed):
 
 
 def _no_state_left():
-    return (adapters._LAYER_PACKING.get(), adapters._OP_PACKING.get(), adapters._MODEL_PACKING.get()) == (None,) * 3
+    return (pk._LAYER_PACKING.get(), pk._OP_PACKING.get(), pk._MODEL_PACKING.get()) == (None,) * 3
 
 
 def test_boundaries_reach_the_ops_of_an_old_design_layer(wrapped):
@@ -83,7 +84,7 @@ def test_boundaries_reach_the_ops_of_an_old_design_layer(wrapped):
     packing, bounds = _packing()
     layer = OldDecoderLayer(OldGDN())
     x = _hidden(1)
-    out = layer(x, **{adapters.PACKING_KWARG: packing})
+    out = layer(x, **{pk.PACKING_KWARG: packing})
     assert _no_state_left()
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     (dx,) = torch.autograd.grad(out, x, upstream)
@@ -115,7 +116,7 @@ def test_checkpoint_recomputation_gets_the_boundaries_again(wrapped, monkeypatch
         return original(*args, **kwargs)
 
     monkeypatch.setattr(adapters.ops, "chunk_gated_delta_rule", spy)
-    kw = {adapters.PACKING_KWARG: packing}
+    kw = {pk.PACKING_KWARG: packing}
     ref = layer(x, **kw)
     ref.square().sum().backward()
     ref_dx, x.grad = x.grad, None
@@ -138,7 +139,7 @@ def test_nothing_is_left_behind_on_an_exception(wrapped, monkeypatch):
 
     monkeypatch.setattr(adapters.ops, "chunk_gated_delta_rule", fail)
     with pytest.raises(RuntimeError, match="op failed"):
-        layer(_hidden(4), **{adapters.PACKING_KWARG: packing})
+        layer(_hidden(4), **{pk.PACKING_KWARG: packing})
     assert _no_state_left()
 
 
@@ -146,8 +147,8 @@ def test_a_layer_that_skips_an_op_is_refused(wrapped):
     """Its conv never saw the boundaries: an error naming the op and the transformers version."""
     packing, _ = _packing()
     layer = OldDecoderLayer(OldGDN(call_conv=False))
-    with pytest.raises(adapters.PackingError, match=r"without calling deltafuse's conv op.*not supported"):
-        layer(_hidden(5), **{adapters.PACKING_KWARG: packing})
+    with pytest.raises(pk.PackingError, match=r"without calling deltafuse's conv op.*not supported"):
+        layer(_hidden(5), **{pk.PACKING_KWARG: packing})
     assert _no_state_left()
 
 
@@ -155,32 +156,32 @@ def test_a_gdn_layer_inside_a_packed_call_without_boundaries_is_refused(wrapped)
     """No route brought the boundaries (a decoder layer that is not deltafuse's): refused, not mixed."""
     packing, _ = _packing()
     gdn = OldGDN()
-    token = adapters._MODEL_PACKING.set(packing)
+    token = pk._MODEL_PACKING.set(packing)
     try:
-        with pytest.raises(adapters.PackingError, match=r"received no sequence boundaries.*transformers \d"):
+        with pytest.raises(pk.PackingError, match=r"received no sequence boundaries.*transformers \d"):
             gdn(_hidden(6))
     finally:
-        adapters._MODEL_PACKING.reset(token)
+        pk._MODEL_PACKING.reset(token)
     # another layer's boundaries are not taken either
-    token = adapters._LAYER_PACKING.set((OldGDN(), packing))
+    token = pk._LAYER_PACKING.set((OldGDN(), packing))
     try:
         with torch.no_grad():
             alone = gdn(_hidden(6))  # no packed model call in progress: an ordinary batch
     finally:
-        adapters._LAYER_PACKING.reset(token)
+        pk._LAYER_PACKING.reset(token)
     with torch.no_grad():
         assert rel_max(alone, gdn(_hidden(6))) == 0.0
 
 
 def test_op_and_layer_batch_must_agree(wrapped):
     packing, _ = _packing()
-    token = adapters._OP_PACKING.set(adapters._HeldPacking(packing))
+    token = pk._OP_PACKING.set(pk._HeldPacking(packing))
     try:
         q = torch.randn(1, T, H, K)
-        with pytest.raises(adapters.PackingError, match=r"\[1, 11\] batch .* describe \[2, 11\]"):
+        with pytest.raises(pk.PackingError, match=r"\[1, 11\] batch .* describe \[2, 11\]"):
             adapters.chunk_gated_delta_rule(q, q, q, g=-torch.rand(1, T, H), beta=torch.rand(1, T, H))
     finally:
-        adapters._OP_PACKING.reset(token)
+        pk._OP_PACKING.reset(token)
 
 
 def test_checkpointing_forward_of_newer_transformers_is_not_wrapped():
@@ -191,7 +192,7 @@ def test_checkpointing_forward_of_newer_transformers_is_not_wrapped():
         return None
 
     with pytest.raises(RuntimeError, match="checkpointing forward, which must stay the class attribute"):
-        adapters.wrap_decoder_layer_forward(forward_with_checkpointing)
+        pk.wrap_decoder_layer_forward(forward_with_checkpointing)
     # that every patched decoder layer is still recomputed in backward, on each transformers, is asserted by
     # test_packed.py::test_packed_with_gradient_checkpointing (the GDN ops run again with the same boundaries)
 

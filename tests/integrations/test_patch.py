@@ -12,7 +12,8 @@ from deltafuse import backends, patching
 from deltafuse.backends import REGISTRY, Candidate
 from deltafuse.config import SettingsError
 from deltafuse.integrations.transformers import FAMILY_MAPS, PATCHER, adapters
-from deltafuse.models import build_model
+from deltafuse.integrations.transformers import packing as pk
+from deltafuse.models import TINY_NAMES, build_model
 from tests.integrations import (RTOL, assert_same_objects, family_modules, grads, packed_inputs, rel_max,
                                 snapshot)
 
@@ -35,7 +36,7 @@ def gdn_layers(model, family="qwen3_5"):
 
 
 # --- apply / revert --------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
+@pytest.mark.parametrize("name", list(TINY_NAMES))
 def test_apply_then_revert_restores_every_object(name):
     model = build_model(name)
     family = FAMILY_OF[name]
@@ -483,7 +484,7 @@ def test_layers_built_before_apply_without_the_model_refuse_packed_batches():
     rows = [[torch.randint(0, 512, (n,)) for n in (5, 7)]]
     ids, pos, _, _, _ = packed_inputs(rows)
     if old_design():
-        with pytest.raises(adapters.PackingError, match=r"call deltafuse.apply\(model\)"):
+        with pytest.raises(pk.PackingError, match=r"call deltafuse.apply\(model\)"):
             with torch.no_grad():
                 model(input_ids=ids, position_ids=pos)
         patching.apply(model)

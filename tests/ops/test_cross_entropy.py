@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from deltafuse.ops.cross_entropy import candidates as ce_backends
 from deltafuse.backends.registry import CallInfo, Registry
+from deltafuse.models import TINY_NAMES
 from deltafuse.ops.cross_entropy import driver
 from deltafuse.ops.cross_entropy.naive import naive_linear_cross_entropy
 from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402
@@ -567,7 +568,7 @@ def _fused_causal_lm_forward(original):
     return wrap_causal_lm_forward(original)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
+@pytest.mark.parametrize("name", list(TINY_NAMES))
 def test_patched_tiny_models_equal_stock_loss_and_every_gradient(name, monkeypatch):
     pytest.importorskip("transformers")
     from deltafuse.models import build_model

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltafuse.models import build_model
+from deltafuse.models import TINY_NAMES, build_model
 from deltafuse.train import data
 from deltafuse.train.tokenizer import build_byte_tokenizer
 
@@ -42,7 +42,7 @@ def loss_and_grads(model, batch):
 
 
 @pytest.mark.parametrize("row_tokens", [None, 512], ids=["padding-free", "filled-to-512"])
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
+@pytest.mark.parametrize("name", list(TINY_NAMES))
 def test_packed_equals_padded_with_deltafuse(name, row_tokens):
     import deltafuse
 
@@ -62,7 +62,7 @@ def test_packed_equals_padded_with_deltafuse(name, row_tokens):
         assert err <= 2e-4 * scale + 1e-7, f"{n}: max |packed - padded| = {err:.3g}, max |padded| = {scale:.3g}"
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
+@pytest.mark.parametrize("name", list(TINY_NAMES))
 def test_stock_transformers_leaks_state_across_packed_sequences(name):
     packed, padded = batches()
     model = make_model(name)

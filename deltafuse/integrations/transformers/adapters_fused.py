@@ -29,8 +29,7 @@ import inspect
 import torch
 
 from deltafuse import ops
-from deltafuse.integrations.transformers.adapters import PACKING_KWARG
-from deltafuse.ops._checks import host_offsets
+from deltafuse.integrations.transformers.packing import PACKING_KWARG
 
 # Keywords a patched ``*ForCausalLM.forward`` takes (Liger's protocol, and deltafuse's older alias):
 # skip_logits=False (or deltafuse_logits=True) returns the logits with the loss, skip_logits=True skips them,
@@ -399,7 +398,7 @@ def _packed_offsets(query, key, kwargs):
     if (packing is None or not packing.block_causal or T < PACKED_ATTENTION_MIN_TOKENS
             or key.shape[2] != T or (packing.batch, packing.length) != (B, T)):
         return None
-    return host_offsets(packing.cu_seqlens)
+    return packing.offsets
 
 
 def wrap_sdpa_attention(original):

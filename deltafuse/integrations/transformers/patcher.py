@@ -72,6 +72,16 @@ class Route:
 
 @dataclass(frozen=True)
 class FamilyMap:
+    """Everything deltafuse knows about one model family (or, with ``models=False``, one library).
+
+    family: the family's name (``config_family`` / ``model_family`` return it); module: the modeling module
+    the rows patch; routes: the rows. title: how messages name the family. config_classes: the config classes
+    of its models (the first is the one named models are built from); model_classes: the model classes
+    deltafuse supports (the first is the causal LM named models build); both are looked up in the package
+    of ``module``. tiny_name / tiny_config: the CPU-sized test model of the family (keyword arguments of the
+    first config class).
+    """
+
     family: str
     module: str
     routes: tuple[Route, ...]
@@ -81,6 +91,16 @@ class FamilyMap:
     models: bool = True
     # a top-level package that must already be imported for the map to apply (``apply`` does not import it)
     when_imported: str = ""
+    title: str = ""
+    config_classes: tuple[str, ...] = ()
+    model_classes: tuple[str, ...] = ()
+    tiny_name: str = ""
+    tiny_config: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def package(self) -> str:
+        """The transformers package of the family (``transformers.models.qwen3_5``)."""
+        return self.module.rsplit(".", 1)[0]
 
 
 @dataclass
@@ -98,7 +118,8 @@ class ReportRow:
         if self.module:
             text = text.replace(self.module + ".", "")
         for prefix in ("deltafuse.integrations.transformers.adapters.",
-                       "deltafuse.integrations.transformers.adapters_fused."):
+                       "deltafuse.integrations.transformers.adapters_fused.",
+                       "deltafuse.integrations.transformers.packing."):
             text = text.replace(prefix, "deltafuse.")
         return text
 

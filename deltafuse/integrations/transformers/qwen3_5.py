@@ -3,6 +3,7 @@
 from deltafuse.integrations.transformers.fused_rows import fused_routes
 from deltafuse.integrations.transformers.gdn_rows import gdn_routes
 from deltafuse.integrations.transformers.patcher import FamilyMap
+from deltafuse.integrations.transformers.tiny import TINY_GDN
 
 MAP = FamilyMap(
     family="qwen3_5",
@@ -11,4 +12,10 @@ MAP = FamilyMap(
                      decoder_layer="Qwen3_5DecoderLayer")
     + fused_routes(rms_norm="Qwen3_5RMSNorm", rms_norm_gated="Qwen3_5RMSNormGated", mlp="Qwen3_5MLP",
                    causal_lm="Qwen3_5ForCausalLM", attention="Qwen3_5Attention"),
+    title="Qwen3.5",
+    config_classes=("Qwen3_5TextConfig", "Qwen3_5Config"),
+    model_classes=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5TextModel", "Qwen3_5Model"),
+    tiny_name="tiny",
+    tiny_config=dict(TINY_GDN),
+    doc="Qwen3.5 dense, 4 layers, hidden 64 (CPU)",
 )

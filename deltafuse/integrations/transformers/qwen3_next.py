@@ -3,6 +3,7 @@
 from deltafuse.integrations.transformers.fused_rows import fused_routes, moe_routes
 from deltafuse.integrations.transformers.gdn_rows import gdn_routes
 from deltafuse.integrations.transformers.patcher import FamilyMap
+from deltafuse.integrations.transformers.tiny import TINY_GDN, TINY_MOE
 
 MAP = FamilyMap(
     family="qwen3_next",
@@ -12,4 +13,10 @@ MAP = FamilyMap(
     + fused_routes(rms_norm="Qwen3NextRMSNorm", rms_norm_gated="Qwen3NextRMSNormGated", mlp="Qwen3NextMLP",
                    causal_lm="Qwen3NextForCausalLM", attention="Qwen3NextAttention")
     + moe_routes(experts="Qwen3NextExperts"),
+    title="Qwen3-Next",
+    config_classes=("Qwen3NextConfig",),
+    model_classes=("Qwen3NextForCausalLM", "Qwen3NextModel"),
+    tiny_name="tiny-next",
+    tiny_config={**TINY_GDN, **TINY_MOE, "norm_topk_prob": True},
+    doc="Qwen3-Next, 4 layers, 8 experts top-2 (CPU)",
 )

@@ -176,12 +176,13 @@ def register_autograd(op, tensor_args: Sequence[str], mask_arg: str = "grad_mask
 def define(name: str, tensor_args: Sequence[str], fake: Callable, mutates_args: Sequence[str] = ()):
     """Decorator: the function (annotated with the op's schema, ending in ``grad_mask: list[bool]``) becomes
     the custom op ``deltafuse::<name>`` with fake implementation ``fake`` and autograd through the inputs
-    ``tensor_args``."""
+    ``tensor_args`` (none for an op that writes into an argument: torch gives such ops no autograd)."""
 
     def wrap(fn):
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=tuple(mutates_args))
         op.register_fake(fake)
-        register_autograd(op, tensor_args)
+        if not mutates_args:
+            register_autograd(op, tensor_args)
         return op
 
     return wrap

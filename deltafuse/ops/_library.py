@@ -12,9 +12,9 @@ torch_npu as their libraries' functions. The forward op runs the backend with au
 detached inputs (no copy), so the backend keeps exactly what its own backward needs, and returns, after the
 outputs, a one-element int64 CPU *handle* that refers to that record. ``deltafuse::backward`` takes the
 handle and the outputs' gradients and runs the backend's own backward (the same kernels as eagerly; nothing
-is recomputed). The record is dropped when the backward has used it, or when the handle tensor is freed (a
-forward whose backward never runs keeps nothing alive). A record serves one backward, as autograd's own
-graphs do without ``retain_graph``.
+is recomputed). The record lives as long as the handle tensor: autograd frees the handle with the graph
+that saved it (after the backward, or with the outputs when no backward runs), so a backward with
+``retain_graph=True`` can run again and a forward whose backward never runs keeps nothing alive.
 
 Values the checks read on the host (labels in range, offsets increasing, expert ids) cannot be read while
 dynamo traces a graph; there the ops hand ``validate=True`` to their implementation, which checks them when
@@ -113,10 +113,9 @@ def backward(handle: torch.Tensor, grads: list[torch.Tensor | None], sizes: list
              dtypes: list[int], device: torch.device) -> list[torch.Tensor]:
     """Gradients of the inputs a forward op recorded (in ``grad_mask`` order) for the outputs' ``grads``."""
     key = handle.data_ptr()
-    record = _records.pop(key, None)
+    record = _records.get(key)
     if record is None:
-        raise RuntimeError("deltafuse: this op's backward record was already used (a second backward through "
-                           "the same graph needs retain_graph, which deltafuse's ops do not support) or freed")
+        raise RuntimeError("deltafuse: the backward record of this op was freed with its handle")
     edges, leaves, device_type = record
     outs, grad_outs = [], []
     for i, edge in edges:
@@ -125,7 +124,7 @@ def backward(handle: torch.Tensor, grads: list[torch.Tensor | None], sizes: list
             grad_outs.append(grads[i])
     if outs:
         with _autograd_recording(), torch.enable_grad(), _amp.disabled(device_type):
-            got = torch.autograd.grad(outs, leaves, grad_outs, allow_unused=True)
+            got = torch.autograd.grad(outs, leaves, grad_outs, retain_graph=True, allow_unused=True)
     else:
         got = (None,) * len(leaves)
     return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(got, leaves)]
@@ -140,9 +139,11 @@ def _(handle, grads, sizes, ndims, dtypes, device):
     return out
 
 
-def register_autograd(op, tensor_args: Sequence[str], mask_arg: str = "grad_mask") -> None:
+def register_autograd(op, tensor_args: Sequence[str], no_grad_outputs: Sequence[int] = (),
+                      mask_arg: str = "grad_mask") -> None:
     """Autograd of a forward op: the inputs named ``tensor_args`` (in the op's order) that its ``grad_mask``
-    marks get gradients from ``deltafuse::backward``."""
+    marks get gradients from ``deltafuse::backward``; the outputs at ``no_grad_outputs`` (and the handle)
+    carry no gradient."""
     names = tuple(tensor_args)
     arg_names = [a.name for a in op._opoverload._schema.arguments]
     positions = [arg_names.index(n) for n in names]
@@ -155,6 +156,7 @@ def register_autograd(op, tensor_args: Sequence[str], mask_arg: str = "grad_mask
         ctx.meta = [(tuple(ts[i].shape), _DTYPES.index(ts[i].dtype)) for i in ctx.marked]
         ctx.device = next(ts[i].device for i in ctx.marked) if ctx.marked else None
         ctx.n_inputs = len(inputs)
+        ctx.mark_non_differentiable(*[output[i] for i in no_grad_outputs], output[-1])
         ctx.save_for_backward(output[-1])
 
     def backward_fn(ctx, grads):
@@ -173,7 +175,8 @@ def register_autograd(op, tensor_args: Sequence[str], mask_arg: str = "grad_mask
 
 
 # --- defining the ops ----------------------------------------------------------------------------------------
-def define(name: str, tensor_args: Sequence[str], fake: Callable, mutates_args: Sequence[str] = ()):
+def define(name: str, tensor_args: Sequence[str], fake: Callable, mutates_args: Sequence[str] = (),
+           no_grad_outputs: Sequence[int] = ()):
     """Decorator: the function (annotated with the op's schema, ending in ``grad_mask: list[bool]``) becomes
     the custom op ``deltafuse::<name>`` with fake implementation ``fake`` and autograd through the inputs
     ``tensor_args`` (none for an op that writes into an argument: torch gives such ops no autograd)."""
@@ -182,7 +185,7 @@ def define(name: str, tensor_args: Sequence[str], fake: Callable, mutates_args: 
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=tuple(mutates_args))
         op.register_fake(fake)
         if not mutates_args:
-            register_autograd(op, tensor_args)
+            register_autograd(op, tensor_args, no_grad_outputs)
         return op
 
     return wrap

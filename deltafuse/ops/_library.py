@@ -127,7 +127,19 @@ def backward(handle: torch.Tensor, grads: list[torch.Tensor | None], sizes: list
             got = torch.autograd.grad(outs, leaves, grad_outs, retain_graph=True, allow_unused=True)
     else:
         got = (None,) * len(leaves)
-    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(got, leaves)]
+    # a custom op may not return its inputs or one tensor twice: a gradient passed through unchanged (or
+    # shared by two inputs) is copied
+    seen = {t.untyped_storage().data_ptr() for t in grad_outs if t.numel()}
+    result = []
+    for g, leaf in zip(got, leaves):
+        if g is None:
+            g = torch.zeros_like(leaf)
+        elif g.numel() and g.untyped_storage().data_ptr() in seen:
+            g = g.clone()
+        if g.numel():
+            seen.add(g.untyped_storage().data_ptr())
+        result.append(g)
+    return result
 
 
 @backward.register_fake

@@ -94,7 +94,11 @@ def _conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, i
     def run(x_, w, b, init):
         out = impl(x_, w, b, activation=activation, seq_idx=seq_idx, cu_seqlens=cu_seqlens, initial_states=init,
                    return_final_states=return_final_states)
-        return tuple(out) if return_final_states else (out,)
+        if not return_final_states:
+            return (out,)
+        # a view into a larger buffer (the last W-1 columns) becomes a [B, C, W-1] tensor of its own
+        final = out[1] if out[1].storage_offset() == 0 and out[1].is_contiguous() else out[1].clone()
+        return out[0], final
 
     return _library.run_forward([x, weight, bias, initial_states], grad_mask, run, x.device.type)
 
@@ -120,16 +124,20 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         impl = backends.select(CONV_UPDATE, backends.call_info(x, weight, bias), backend)
         with _amp.disabled(x.device.type):
             return impl(x, conv_state, weight, bias, act)
-    return _conv_update_op(x, conv_state, weight, bias, act, backend, mask)[0]
+    return _conv_update_op(x, conv_state, weight, bias, act, backend)
 
 
-def _conv_update_fake(x, conv_state, weight, bias, activation, backend, grad_mask):
-    return _library.fake_outputs(torch.empty_like(x), like=x)
+def _conv_update_fake(x, conv_state, weight, bias, activation, backend):
+    return torch.empty_like(x)
 
 
-@_library.define(CONV_UPDATE, ("x", "weight", "bias"), _conv_update_fake, mutates_args=("conv_state",))
+@torch.library.custom_op(f"{_library.NAMESPACE}::{CONV_UPDATE}", mutates_args=("conv_state",))
 def _conv_update_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    activation: str | None, backend: str | None, grad_mask: list[bool]) -> list[torch.Tensor]:
-    impl = backends.select(CONV_UPDATE, _library.call_info(grad_mask, x, weight, bias), backend)
-    return _library.run_forward([x, weight, bias], grad_mask, lambda x_, w, b: (impl(x_, conv_state, w, b, activation),),
-                                x.device.type)
+                    activation: str | None, backend: str | None) -> torch.Tensor:
+    """Writes into conv_state, so without autograd (torch gives in-place custom ops none) and without a handle."""
+    impl = backends.select(CONV_UPDATE, _library.call_info([False], x, weight, bias), backend)
+    with _amp.disabled(x.device.type):
+        return impl(x, conv_state, weight, bias, activation)
+
+
+_conv_update_op.register_fake(_conv_update_fake)

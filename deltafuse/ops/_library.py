@@ -59,13 +59,21 @@ def _no_handle() -> torch.Tensor:
 
 
 def _autograd_recording():
-    """A context in which autograd records again inside an op's implementation (the dispatcher runs custom
-    ops' implementations with the autograd keys excluded; autocast stays excluded)."""
+    """A context in which autograd records inside an op's implementation as in an eager call: the dispatcher
+    runs custom ops' implementations with the autograd keys (and, from a compiled graph, more: the
+    in-place/view tracking among them) excluded. Only autocast stays excluded (the ops never let it reach
+    their implementations)."""
     C = torch._C
-    exclude = C._dispatch_tls_local_exclude_set()
-    for key in (C.DispatchKey.AutogradFunctionality, C.DispatchKey.AutogradOther, C.DispatchKey.AutogradNestedTensor):
-        exclude = exclude.remove(key)
+    current = C._dispatch_tls_local_exclude_set()
+    exclude = C.DispatchKeySet.from_raw_repr(0)
+    for key in _AUTOCAST_KEYS:
+        if current.has(key):
+            exclude = exclude.add(key)
     return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
+
+
+_AUTOCAST_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in dir(torch._C.DispatchKey)
+                       if name.startswith("Autocast"))
 
 
 def compiling() -> bool:

@@ -100,7 +100,7 @@ def run_forward(tensors: Sequence[torch.Tensor | None], grad_mask: Sequence[bool
             edges.append((i, get_gradient_edge(o)))
         result.append(o.detach())
     if edges:
-        leaves = [t for t, m in zip(inputs, grad_mask) if m]
+        leaves = [t for t, m in zip(inputs, grad_mask) if m and t is not None]
         result.append(_handle_for((edges, leaves, device_type)))
     else:
         result.append(_no_handle())

@@ -167,7 +167,10 @@ def same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
 
 
 def values_checkable(t: torch.Tensor) -> bool:
-    """Whether checks may read ``t``'s values: always on CPU, elsewhere when DELTAFUSE_VALIDATE is on."""
+    """Whether checks may read ``t``'s values: always on CPU, elsewhere when DELTAFUSE_VALIDATE is on; never
+    while dynamo traces a graph (the op's implementation checks them when the graph runs)."""
+    if torch.compiler.is_compiling():
+        return False
     return t.device.type == "cpu" or config.env_switch("DELTAFUSE_VALIDATE")
 
 
@@ -209,7 +212,7 @@ def cu_seqlens(cu: torch.Tensor, batch: int, total: int) -> int:
         fail(f"cu_seqlens must hold at least 2 offsets (0 and T), got {cu.numel()}")
     if batch != 1:
         fail(f"cu_seqlens needs the batch dimension to be 1 (sequences packed along T), got B={batch}")
-    if values_checkable(cu) or known_host_offsets(cu) is not None:
+    if values_checkable(cu) or (not torch.compiler.is_compiling() and known_host_offsets(cu) is not None):
         vals = list(host_offsets(cu))
         if vals[0] != 0:
             fail(f"cu_seqlens must start at 0, got {vals[0]}")

@@ -135,7 +135,11 @@ def test_saved_tensors_exclude_hidden_sized_intermediates():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
         out = _api()(x, idx, w, gu, dn)
     S = N * k
-    new = [t for t in saved if not any(t is p for p in (x, w, gu, dn))]
+    # the inputs are saved as they are or as views of them (the op records the backend on detached views);
+    # the one-element int64 handle is the op's reference to that record
+    inputs = {p.untyped_storage().data_ptr() for p in (x, w, gu, dn)}
+    new = [t for t in saved if t.untyped_storage().data_ptr() not in inputs
+           and not (t.dtype == torch.int64 and t.numel() == 1)]
     assert sum(t.numel() for t in new) <= S * 2 * I, [tuple(t.shape) for t in new]
     assert not any(t.shape == (S, H) for t in saved)
     out.sum().backward()

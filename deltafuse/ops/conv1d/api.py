@@ -6,7 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.ops.conv1d.candidates import CONV, CONV_UPDATE
-from deltafuse.ops import _amp
+from deltafuse.ops import _amp, _library
 from deltafuse.ops import _checks as check
 
 ACTIVATIONS = (None, "silu", "swish")
@@ -63,11 +63,44 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                 check.fail(f"{name} must be [B, C, W-1] = {(B, C, W - 1)}, got {check.shape(t)}")
     check.same_device("x", x, weight=weight, bias=bias, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
                       initial_states=initial_states, final_states_out=final_states_out)
-    impl = backends.select(CONV, backends.call_info(x, weight, bias, initial_states), backend)
-    with _amp.disabled(x.device.type):  # autocast never reaches the implementations
-        return impl(x, weight, bias, activation=act, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
-                    initial_states=initial_states, return_final_states=return_final_states,
-                    final_states_out=final_states_out)
+    if backend is not None:
+        backends.call_backend(CONV, backend)
+    out = _conv_op(x, weight, bias, initial_states, seq_idx, cu_seqlens, return_final_states, act, backend,
+                   _library.grad_mask(x, weight, bias, initial_states), torch.compiler.is_compiling())
+    if not return_final_states:
+        return out[0]
+    final = out[1]
+    if final_states_out is not None:
+        final_states_out.copy_(final)
+        final = final_states_out
+    return out[0], final
+
+
+def _conv_fake(x, weight, bias, initial_states, seq_idx, cu_seqlens, return_final_states, activation, backend,
+               grad_mask, validate):
+    B, C, _ = x.shape
+    final = x.new_empty(B, C, weight.shape[1] - 1) if return_final_states else None
+    return _library.fake_outputs(torch.empty_like(x), final, like=x)
+
+
+@_library.define(CONV, ("x", "weight", "bias", "initial_states"), _conv_fake)
+def _conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, initial_states: torch.Tensor | None,
+             seq_idx: torch.Tensor | None, cu_seqlens: torch.Tensor | None, return_final_states: bool,
+             activation: str | None, backend: str | None, grad_mask: list[bool], validate: bool) -> list[torch.Tensor]:
+    if validate and cu_seqlens is not None:
+        _library.named_errors(CONV, check.cu_seqlens, cu_seqlens, x.shape[0], x.shape[2])
+    impl = backends.select(CONV, _library.call_info(grad_mask, x, weight, bias, initial_states), backend)
+
+    def run(x_, w, b, init):
+        out = impl(x_, w, b, activation=activation, seq_idx=seq_idx, cu_seqlens=cu_seqlens, initial_states=init,
+                   return_final_states=return_final_states)
+        if not return_final_states:
+            return (out,)
+        # a view into a larger buffer (the last W-1 columns) becomes a [B, C, W-1] tensor of its own
+        final = out[1] if out[1].storage_offset() == 0 and out[1].is_contiguous() else out[1].clone()
+        return out[0], final
+
+    return _library.run_forward([x, weight, bias, initial_states], grad_mask, run, x.device.type)
 
 
 @check.public_op(CONV_UPDATE)
@@ -84,6 +117,27 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         check.fail(f"conv_state must be [B, C, S] with B={B}, C={C}, S >= W-1 = {weight.shape[1] - 1}, "
                    f"got {check.shape(conv_state)}")
     check.same_device("x", x, conv_state=conv_state, weight=weight, bias=bias)
-    impl = backends.select(CONV_UPDATE, backends.call_info(x, weight, bias), backend)
-    with _amp.disabled(x.device.type):  # autocast never reaches the implementations
-        return impl(x, conv_state, weight, bias, act)
+    if backend is not None:
+        backends.call_backend(CONV_UPDATE, backend)
+    mask = _library.grad_mask(x, weight, bias)
+    if any(mask):  # a differentiable decoding step: the op writes into conv_state, so it has no autograd
+        impl = backends.select(CONV_UPDATE, backends.call_info(x, weight, bias), backend)
+        with _amp.disabled(x.device.type):
+            return impl(x, conv_state, weight, bias, act)
+    return _conv_update_op(x, conv_state, weight, bias, act, backend)
+
+
+def _conv_update_fake(x, conv_state, weight, bias, activation, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{_library.NAMESPACE}::{CONV_UPDATE}", mutates_args=("conv_state",))
+def _conv_update_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    activation: str | None, backend: str | None) -> torch.Tensor:
+    """Writes into conv_state, so without autograd (torch gives in-place custom ops none) and without a handle."""
+    impl = backends.select(CONV_UPDATE, _library.call_info([False], x, weight, bias), backend)
+    with _amp.disabled(x.device.type):
+        return impl(x, conv_state, weight, bias, activation)
+
+
+_conv_update_op.register_fake(_conv_update_fake)

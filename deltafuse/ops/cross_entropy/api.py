@@ -10,7 +10,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.ops.cross_entropy.candidates import FUSED_LINEAR_CROSS_ENTROPY, TOKEN_LOGPROBS
-from deltafuse.ops import _amp
+from deltafuse.ops import _amp, _library
 from deltafuse.ops import _checks as check
 from deltafuse.ops.cross_entropy.tokens import OUTPUTS as TOKEN_OUTPUTS
 
@@ -136,23 +136,58 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     check.same_device("hidden", hidden, weight=weight, bias=bias)
 
     labels = labels.to(device=hidden.device)
-    if check.values_checkable(labels) and labels.numel():
-        bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
-        if bool(bad.any()):
-            first = labels[bad].flatten()[0].item()
-            check.fail(f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}, got {first}")
+    _check_targets(labels, ignore_index, V, "labels")
     targets = (_shift(labels, ignore_index) if shift else labels).reshape(-1).to(torch.int64)
     hidden2 = hidden.reshape(-1, H)
-    impl = backends.select(FUSED_LINEAR_CROSS_ENTROPY, backends.call_info(hidden, weight, bias), backend)
-    with _amp.disabled(hidden.device.type):
-        out = impl(hidden2, weight, bias, targets, ignore_index, reduction, num_items_in_batch, chunk_size,
-                   return_logits, vocab_chunk_size, token_accuracy=return_token_accuracy)
+    if backend is not None:
+        backends.call_backend(FUSED_LINEAR_CROSS_ENTROPY, backend)
+    items = num_items_in_batch if torch.is_tensor(num_items_in_batch) else None
+    number = None if items is not None or num_items_in_batch is None else float(num_items_in_batch)
+    out = _fused_ce_op(hidden2, weight, bias, targets, items, number, ignore_index, reduction, chunk_size,
+                       vocab_chunk_size, return_logits, return_token_accuracy, backend,
+                       _library.grad_mask(hidden2, weight, bias), torch.compiler.is_compiling())
     result = (out[0],)
     if return_logits:
         result += (out[1].view(*hidden.shape[:-1], V),)
     if return_token_accuracy:
         result += (out[2],)
     return result if len(result) > 1 else result[0]
+
+
+def _check_targets(targets, ignore_index, V, name):
+    if check.values_checkable(targets) and targets.numel():
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= V))
+        if bool(bad.any()):
+            first = targets[bad].flatten()[0].item()
+            check.fail(f"{name} must lie in [0, {V}) or equal ignore_index={ignore_index}, got {first}")
+
+
+def _ce_fake(hidden, weight, bias, targets, num_items, num_items_number, ignore_index, reduction, chunk_size,
+             vocab_chunk_size, return_logits, return_token_accuracy, backend, grad_mask, validate):
+    ct = torch.promote_types(hidden.dtype, torch.float32)
+    logits = hidden.new_empty(hidden.shape[0], weight.shape[0]) if return_logits else None
+    accuracy = hidden.new_empty((), dtype=torch.float32) if return_token_accuracy else None
+    return _library.fake_outputs(hidden.new_empty((), dtype=ct), logits, accuracy, like=hidden)
+
+
+@_library.define(FUSED_LINEAR_CROSS_ENTROPY, ("hidden", "weight", "bias"), _ce_fake, no_grad_outputs=(1, 2))
+def _fused_ce_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                 num_items: torch.Tensor | None, num_items_number: float | None, ignore_index: int, reduction: str,
+                 chunk_size: int | None, vocab_chunk_size: int | None, return_logits: bool,
+                 return_token_accuracy: bool, backend: str | None, grad_mask: list[bool],
+                 validate: bool) -> list[torch.Tensor]:
+    if validate:
+        _library.named_errors(FUSED_LINEAR_CROSS_ENTROPY, _check_targets, targets, ignore_index, weight.shape[0],
+                              "labels")
+    impl = backends.select(FUSED_LINEAR_CROSS_ENTROPY, _library.call_info(grad_mask, hidden, weight, bias), backend)
+    items = num_items if num_items is not None else num_items_number
+
+    def run(h, w, b):
+        out = impl(h, w, b, targets, ignore_index, reduction, items, chunk_size, return_logits, vocab_chunk_size,
+                   token_accuracy=return_token_accuracy)
+        return out[0], out[1], (out[2] if return_token_accuracy else None)
+
+    return _library.run_forward([hidden, weight, bias], grad_mask, run, hidden.device.type)
 
 
 class TokenLogProbs(NamedTuple):
@@ -211,14 +246,35 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         check.fail(f"vocab_chunk_size must be None or an int >= 1, got {vocab_chunk_size!r}")
     check.same_device("hidden", hidden, weight=weight, bias=bias)
     targets = targets.to(device=hidden.device)
-    if check.values_checkable(targets) and targets.numel():
-        bad = (targets != ignore_index) & ((targets < 0) | (targets >= V))
-        if bool(bad.any()):
-            first = targets[bad].flatten()[0].item()
-            check.fail(f"targets must lie in [0, {V}) or equal ignore_index={ignore_index}, got {first}")
-    impl = backends.select(TOKEN_LOGPROBS, backends.call_info(hidden, weight, bias), backend)
-    with _amp.disabled(hidden.device.type):
-        out = impl(hidden.reshape(-1, H), weight, bias, targets.reshape(-1).to(torch.int64), ignore_index,
-                   float(temperature), want_entropy, want_top1, chunk_size, vocab_chunk_size)
+    _check_targets(targets, ignore_index, V, "targets")
+    if backend is not None:
+        backends.call_backend(TOKEN_LOGPROBS, backend)
+    hidden2 = hidden.reshape(-1, H)
+    out = _token_logprobs_op(hidden2, weight, bias, targets.reshape(-1).to(torch.int64), ignore_index,
+                             float(temperature), want_entropy, want_top1, chunk_size, vocab_chunk_size, backend,
+                             _library.grad_mask(hidden2, weight, bias), torch.compiler.is_compiling())
     shape = targets.shape
-    return TokenLogProbs(*(None if t is None else t.view(shape) for t in out))
+    wanted = (True, want_entropy, want_top1)
+    return TokenLogProbs(*(t.view(shape) if w else None for t, w in zip(out[:3], wanted)))
+
+
+def _tokens_fake(hidden, weight, bias, targets, ignore_index, temperature, want_entropy, want_top1, chunk_size,
+                 vocab_chunk_size, backend, grad_mask, validate):
+    ct = torch.promote_types(hidden.dtype, torch.float32)
+    n = hidden.shape[0]
+    return _library.fake_outputs(hidden.new_empty(n, dtype=ct), hidden.new_empty(n, dtype=ct) if want_entropy
+                                 else None, hidden.new_empty(n, dtype=torch.bool) if want_top1 else None, like=hidden)
+
+
+@_library.define(TOKEN_LOGPROBS, ("hidden", "weight", "bias"), _tokens_fake, no_grad_outputs=(2,))
+def _token_logprobs_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                       ignore_index: int, temperature: float, want_entropy: bool, want_top1: bool,
+                       chunk_size: int | None, vocab_chunk_size: int | None, backend: str | None,
+                       grad_mask: list[bool], validate: bool) -> list[torch.Tensor]:
+    if validate:
+        _library.named_errors(TOKEN_LOGPROBS, _check_targets, targets, ignore_index, weight.shape[0], "targets")
+    impl = backends.select(TOKEN_LOGPROBS, _library.call_info(grad_mask, hidden, weight, bias), backend)
+    return _library.run_forward(
+        [hidden, weight, bias], grad_mask,
+        lambda h, w, b: impl(h, w, b, targets, ignore_index, temperature, want_entropy, want_top1, chunk_size,
+                             vocab_chunk_size), hidden.device.type)

@@ -6,7 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.ops.gated_delta.candidates import CHUNK, RECURRENT
-from deltafuse.ops import _amp
+from deltafuse.ops import _library
 from deltafuse.ops import _checks as check
 
 QKV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -75,10 +75,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     final state [N, HV, K, V] fp32 or None). ``backend=`` may force 'triton', 'fla' or 'torch'.
     """
     scale, backend = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
-    call = backends.call_info(q, k, v, g, beta, initial_state)
-    impl = backends.select(CHUNK, call, backend)
-    with _amp.disabled(q.device.type):  # autocast never reaches the implementations
-        return impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    if backend is not None:
+        backends.call_backend(CHUNK, backend)
+    o, final, _ = _chunk_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
+                      bool(use_qk_l2norm_in_kernel), backend, _library.grad_mask(q, k, v, g, beta, initial_state),
+                      torch.compiler.is_compiling())
+    return o, (final if output_final_state else None)
 
 
 @check.public_op(RECURRENT)
@@ -90,7 +92,54 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token gated delta rule (decoding), same signature and layouts as chunk_gated_delta_rule."""
     scale, backend = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
-    call = backends.call_info(q, k, v, g, beta, initial_state)
-    impl = backends.select(RECURRENT, call, backend)
-    with _amp.disabled(q.device.type):  # autocast never reaches the implementations
-        return impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    if backend is not None:
+        backends.call_backend(RECURRENT, backend)
+    o, final, _ = _recurrent_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
+                      bool(use_qk_l2norm_in_kernel), backend, _library.grad_mask(q, k, v, g, beta, initial_state),
+                      torch.compiler.is_compiling())
+    return o, (final if output_final_state else None)
+
+
+_GDN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _gdn_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel,
+              backend, grad_mask, validate):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    final = None
+    if output_final_state:
+        n = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
+        final = q.new_empty(n, HV, K, V, dtype=torch.promote_types(q.dtype, torch.float32))
+    return _library.fake_outputs(q.new_empty(B, T, HV, V), final, like=q)
+
+
+def _gdn_run(op, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2, backend, grad_mask,
+             validate):
+    if validate and cu_seqlens is not None:
+        _library.named_errors(op, check.cu_seqlens, cu_seqlens, q.shape[0], q.shape[1])
+    impl = backends.select(op, _library.call_info(grad_mask, q, k, v, g, beta, initial_state), backend)
+
+    def run(q_, k_, v_, g_, b_, h0):
+        o, final = impl(q_, k_, v_, g_, b_, scale, h0, output_final_state, l2, cu_seqlens)
+        return o, (final if output_final_state else None)
+
+    return _library.run_forward([q, k, v, g, beta, initial_state], grad_mask, run, q.device.type)
+
+
+@_library.define(CHUNK, _GDN_TENSORS, _gdn_fake)
+def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
+              output_final_state: bool, use_qk_l2norm_in_kernel: bool, backend: str | None, grad_mask: list[bool],
+              validate: bool) -> list[torch.Tensor]:
+    return _gdn_run(CHUNK, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                    use_qk_l2norm_in_kernel, backend, grad_mask, validate)
+
+
+@_library.define(RECURRENT, _GDN_TENSORS, _gdn_fake)
+def _recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
+                  output_final_state: bool, use_qk_l2norm_in_kernel: bool, backend: str | None,
+                  grad_mask: list[bool], validate: bool) -> list[torch.Tensor]:
+    return _gdn_run(RECURRENT, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                    use_qk_l2norm_in_kernel, backend, grad_mask, validate)

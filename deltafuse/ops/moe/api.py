@@ -6,7 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.ops.moe.candidates import MOE_EXPERTS
-from deltafuse.ops import _amp
+from deltafuse.ops import _library
 from deltafuse.ops import _checks as check
 
 ACTIVATIONS = ("silu",)
@@ -54,11 +54,32 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
                    f"got {check.shape(top_k_weights)}")
     check.same_device("hidden", hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
                       gate_up_proj=gate_up_proj, down_proj=down_proj)
+    _check_ids(top_k_index, E)
+    if backend is not None:
+        backends.call_backend(MOE_EXPERTS, backend)
+    mask = _library.grad_mask(hidden, top_k_weights, gate_up_proj, down_proj)
+    return _moe_op(hidden, top_k_index.to(torch.int64), top_k_weights, gate_up_proj, down_proj, backend, mask,
+                   torch.compiler.is_compiling())[0]
+
+
+def _check_ids(top_k_index, E):
     if check.values_checkable(top_k_index) and top_k_index.numel():
         lo, hi = int(top_k_index.min()), int(top_k_index.max())
         if lo < 0 or hi >= E:
             check.fail(f"top_k_index must hold expert ids in [0, {E}), got values in [{lo}, {hi}]")
-    impl = backends.select(MOE_EXPERTS, backends.call_info(hidden, top_k_weights, gate_up_proj, down_proj),
-                           backend)
-    with _amp.disabled(hidden.device.type):  # autocast never reaches the implementations
-        return impl(hidden, top_k_index.to(torch.int64), top_k_weights, gate_up_proj, down_proj)
+
+
+def _moe_fake(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, backend, grad_mask, validate):
+    return _library.fake_outputs(torch.empty_like(hidden), like=hidden)
+
+
+@_library.define(MOE_EXPERTS, ("hidden", "top_k_weights", "gate_up_proj", "down_proj"), _moe_fake)
+def _moe_op(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            gate_up_proj: torch.Tensor, down_proj: torch.Tensor, backend: str | None, grad_mask: list[bool],
+            validate: bool) -> list[torch.Tensor]:
+    if validate:
+        _library.named_errors(MOE_EXPERTS, _check_ids, top_k_index, gate_up_proj.shape[0])
+    impl = backends.select(MOE_EXPERTS, _library.call_info(grad_mask, hidden, top_k_weights, gate_up_proj,
+                                                           down_proj), backend)
+    return _library.run_forward([hidden, top_k_weights, gate_up_proj, down_proj], grad_mask,
+                                lambda h, w, gu, d: (impl(h, top_k_index, w, gu, d),), hidden.device.type)

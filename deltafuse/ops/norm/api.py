@@ -8,7 +8,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.ops.norm.candidates import RMS_NORM, RMS_NORM_GATED
-from deltafuse.ops import _amp
+from deltafuse.ops import _library
 from deltafuse.ops import _checks as check
 
 
@@ -41,9 +41,9 @@ def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
     _x_weight(x, weight)
     eps = _eps(eps)
     check.same_device("x", x, weight=weight)
-    impl = backends.select(RMS_NORM, backends.call_info(x, weight), backend)
-    with _amp.disabled(x.device.type):  # autocast never reaches the implementations
-        return impl(x, weight, eps)
+    if backend is not None:
+        backends.call_backend(RMS_NORM, backend)
+    return _rms_norm_op(x, weight, eps, backend, _library.grad_mask(x, weight))[0]
 
 
 @check.public_op(RMS_NORM_GATED)
@@ -63,6 +63,25 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         check.fail(f"gate must have x's shape {check.shape(x)}, got {check.shape(gate)}")
     eps = _eps(eps)
     check.same_device("x", x, gate=gate, weight=weight)
-    impl = backends.select(RMS_NORM_GATED, backends.call_info(x, gate, weight), backend)
-    with _amp.disabled(x.device.type):  # autocast never reaches the implementations
-        return impl(x, gate, weight, eps)
+    if backend is not None:
+        backends.call_backend(RMS_NORM_GATED, backend)
+    return _rms_norm_gated_op(x, gate, weight, eps, backend, _library.grad_mask(x, gate, weight))[0]
+
+
+def _like_x(x, *args):
+    return _library.fake_outputs(torch.empty_like(x), like=x)
+
+
+@_library.define(RMS_NORM, ("x", "weight"), _like_x)
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str | None,
+                 grad_mask: list[bool]) -> list[torch.Tensor]:
+    impl = backends.select(RMS_NORM, _library.call_info(grad_mask, x, weight), backend)
+    return _library.run_forward([x, weight], grad_mask, lambda x_, w: (impl(x_, w, eps),), x.device.type)
+
+
+@_library.define(RMS_NORM_GATED, ("x", "gate", "weight"), _like_x)
+def _rms_norm_gated_op(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                       backend: str | None, grad_mask: list[bool]) -> list[torch.Tensor]:
+    impl = backends.select(RMS_NORM_GATED, _library.call_info(grad_mask, x, gate, weight), backend)
+    return _library.run_forward([x, gate, weight], grad_mask, lambda x_, g, w: (impl(x_, g, w, eps),),
+                                x.device.type)

@@ -6,7 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.ops.rope.candidates import ROPE
-from deltafuse.ops import _amp
+from deltafuse.ops import _library
 from deltafuse.ops import _checks as check
 
 UNSQUEEZE = {1: 1, 2: 2, -3: 1, -2: 2}
@@ -53,6 +53,19 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     if rd == 0 or rd % 2 or rd > D:
         check.fail(f"cos/sin last dimension (rotary_dim) must be even and in [2, D={D}], got {rd}")
     check.same_device("q", q, k=k, cos=cos, sin=sin)
-    impl = backends.select(ROPE, backends.call_info(q, k, cos, sin), backend)
-    with _amp.disabled(q.device.type):  # autocast never reaches the implementations
-        return impl(q, k, cos, sin, ud)
+    if backend is not None:
+        backends.call_backend(ROPE, backend)
+    out = _rope_op(q, k, cos, sin, ud, backend, _library.grad_mask(q, k, cos, sin))
+    return out[0], out[1]
+
+
+def _rope_fake(q, k, cos, sin, unsqueeze_dim, backend, grad_mask):
+    dtype = torch.promote_types(q.dtype, cos.dtype)
+    return _library.fake_outputs(torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype), like=q)
+
+
+@_library.define(ROPE, ("q", "k", "cos", "sin"), _rope_fake)
+def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+             backend: str | None, grad_mask: list[bool]) -> list[torch.Tensor]:
+    impl = backends.select(ROPE, _library.call_info(grad_mask, q, k, cos, sin), backend)
+    return _library.run_forward([q, k, cos, sin], grad_mask, lambda *t: impl(*t, unsqueeze_dim), q.device.type)

@@ -6,7 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.ops.swiglu.candidates import SWIGLU
-from deltafuse.ops import _amp
+from deltafuse.ops import _library
 from deltafuse.ops import _checks as check
 
 
@@ -28,6 +28,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, **kwargs) -> torch.Tensor:
     if up.dtype != gate.dtype:
         check.fail(f"up has dtype {up.dtype} but gate has {gate.dtype}; they must match")
     check.same_device("gate", gate, up=up)
-    impl = backends.select(SWIGLU, backends.call_info(gate, up), backend)
-    with _amp.disabled(gate.device.type):  # autocast never reaches the implementations
-        return impl(gate, up)
+    if backend is not None:
+        backends.call_backend(SWIGLU, backend)
+    return _swiglu_op(gate, up, backend, _library.grad_mask(gate, up))[0]
+
+
+def _swiglu_fake(gate, up, backend, grad_mask):
+    return _library.fake_outputs(torch.empty_like(gate), like=gate)
+
+
+@_library.define(SWIGLU, ("gate", "up"), _swiglu_fake)
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, backend: str | None, grad_mask: list[bool]) -> list[torch.Tensor]:
+    impl = backends.select(SWIGLU, _library.call_info(grad_mask, gate, up), backend)
+    return _library.run_forward([gate, up], grad_mask, lambda g, u: (impl(g, u),), gate.device.type)

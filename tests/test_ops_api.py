@@ -176,9 +176,11 @@ WRONG_CASES = [(op, arg, value) for op, (_, kinds) in OP_TABLE.items() for arg, 
 def test_every_public_op_and_argument_is_covered():
     assert set(OP_TABLE) == set(ops.__all__)
     for op, (make, kinds) in OP_TABLE.items():
-        params = [p.name for p in inspect.signature(getattr(ops, op)).parameters.values()
-                  if p.kind is not p.VAR_KEYWORD]
+        signature = inspect.signature(getattr(ops, op)).parameters
+        params = [p.name for p in signature.values() if p.kind is not p.VAR_KEYWORD and p.name != "backend"]
         assert params == list(kinds) and set(make()) == set(kinds), op
+        # the per-call backend: a keyword-only parameter of every op, checked against the op's own names
+        assert signature["backend"].kind is inspect.Parameter.KEYWORD_ONLY and signature["backend"].default is None
 
 
 @pytest.mark.parametrize("op", sorted(OP_TABLE))

@@ -107,8 +107,8 @@ def public_op(name: str):
         hints = typing.get_type_hints(fn)
         rules = []
         for index, param in enumerate(inspect.signature(fn).parameters.values()):
-            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-                continue
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or param.name == "backend":
+                continue  # backend: checked against the op's own backend names (backends.call_backend)
             rule = _rule(hints.get(param.name))
             if rule is not None:
                 position = index if param.kind != param.KEYWORD_ONLY else None

@@ -34,7 +34,8 @@ def _weight_bias(x, weight, bias):
 def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      seq_idx: torch.Tensor | None = None, initial_states: torch.Tensor | None = None,
                      return_final_states: bool = False, final_states_out: torch.Tensor | None = None,
-                     activation: str | None = None, cu_seqlens: torch.Tensor | None = None, **kwargs):
+                     activation: str | None = None, cu_seqlens: torch.Tensor | None = None,
+                     *, backend: str | None = None, **kwargs):
     """Causal depthwise conv1d over x [B, C, T] with weight [C, W], resetting at sequence boundaries.
 
     Boundaries come from ``seq_idx`` [B, T] (a sequence id per token) or ``cu_seqlens`` (B must be 1).
@@ -42,7 +43,6 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     last W-1 inputs [B, C, W-1] (written into ``final_states_out`` when given). Returns out [B, C, T] in
     x's dtype, or (out, final_states).
     """
-    backend = kwargs.pop("backend", None)
     check.tensor("x", x, 3)
     B, C, T = x.shape
     _weight_bias(x, weight, bias)
@@ -105,9 +105,9 @@ def _conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, i
 
 @check.public_op(CONV_UPDATE)
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                         bias: torch.Tensor | None = None, activation: str | None = None, **kwargs):
+                         bias: torch.Tensor | None = None, activation: str | None = None,
+                         *, backend: str | None = None, **kwargs):
     """One decoding step (or a few): x [B, C, T_new]; conv_state [B, C, S >= W-1] is updated in place."""
-    backend = kwargs.pop("backend", None)
     check.tensor("x", x, 3)
     B, C, _ = x.shape
     _weight_bias(x, weight, bias)

@@ -74,7 +74,7 @@ def _head_inputs(hidden, weight, bias, targets, targets_name: str, kwargs: dict)
     if targets.shape != hidden.shape[:-1]:
         check.fail(f"{targets_name} must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
                    f"got {check.shape(targets)}")
-    return hidden, weight, bias, backend
+    return hidden, weight, bias
 
 
 @check.public_op(FUSED_LINEAR_CROSS_ENTROPY)
@@ -82,7 +82,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                                num_items_in_batch=None, shift: bool = True, chunk_size: int | None = None,
                                vocab_chunk_size: int | None = None, return_logits: bool = False,
-                               return_token_accuracy: bool = False, **kwargs):
+                               return_token_accuracy: bool = False, backend: str | None = None, **kwargs):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without [tokens, V] logits.
 
     hidden: [..., T, H] (any float dtype); weight: [V, H] of hidden's dtype (an ``lm_head`` weight, or a
@@ -114,7 +114,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     fp32 gradients through the cast), and the loss is computed as for inputs of that dtype: logits in it,
     softmax in fp32, loss fp32.
     """
-    hidden, weight, bias, backend = _head_inputs(hidden, weight, bias, labels, "labels", kwargs)
+    hidden, weight, bias = _head_inputs(hidden, weight, bias, labels, "labels", kwargs)
     H, V = hidden.shape[-1], weight.shape[0]
     if not isinstance(shift, bool):
         check.fail(f"shift must be True or False, got {shift!r}")
@@ -209,7 +209,7 @@ def _check_outputs(outputs) -> tuple[bool, bool]:
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                    bias: torch.Tensor | None = None, temperature: float = 1.0, outputs=("log_probs",),
                    ignore_index: int = -100, chunk_size: int | None = None, vocab_chunk_size: int | None = None,
-                   **kwargs) -> TokenLogProbs:
+                   backend: str | None = None, **kwargs) -> TokenLogProbs:
     """Per-token log-probabilities of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``,
     without [tokens, V] logits (TRL's ``ChunkedLogProbFunction`` semantics, without softcapping / logit scale).
 
@@ -233,7 +233,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     'triton' or 'torch'. Autocast: as ``fused_linear_cross_entropy`` (inputs cast as for a linear layer, then
     computed in that dtype with fp32 statistics), which is also how TRL's function projects under autocast.
     """
-    hidden, weight, bias, backend = _head_inputs(hidden, weight, bias, targets, "targets", kwargs)
+    hidden, weight, bias = _head_inputs(hidden, weight, bias, targets, "targets", kwargs)
     H, V = hidden.shape[-1], weight.shape[0]
     if not (math.isfinite(temperature) and temperature > 0):
         check.fail(f"temperature must be a finite number > 0, got {temperature!r}")

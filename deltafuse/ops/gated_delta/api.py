@@ -15,7 +15,6 @@ QKV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs):
     if kwargs.pop("head_first", False):
         check.fail("head_first=True is not supported; pass [B, T, H, D] tensors (head_first=False)")
-    backend = kwargs.pop("backend", None)
     for name in ("chunk_size", "cu_seqlens_cpu", "chunk_indices", "seq_idx"):
         kwargs.pop(name, None)  # accepted for FLA/transformers compatibility; derived internally
     if kwargs:
@@ -58,7 +57,7 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs):
         scale = K**-0.5
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         check.fail(f"scale must be a float or None (K**-0.5), got {scale!r}")
-    return float(scale), backend
+    return float(scale)
 
 
 @check.public_op(CHUNK)
@@ -66,7 +65,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            beta: torch.Tensor, scale: float | None = None,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                            use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None,
-                           **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           *, backend: str | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over a whole sequence (training and prefill), FLA's signature and layouts.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head hv reads q/k head
@@ -74,7 +73,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     cu_seqlens: offsets of packed sequences (B must be 1). Returns (o [B, T, HV, V] in q's dtype,
     final state [N, HV, K, V] fp32 or None). ``backend=`` may force 'triton', 'fla' or 'torch'.
     """
-    scale, backend = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
+    scale = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
     if backend is not None:
         backends.call_backend(CHUNK, backend)
     o, final, _ = _chunk_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
@@ -89,9 +88,10 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      initial_state: torch.Tensor | None = None,
                                      output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                                      cu_seqlens: torch.Tensor | None = None,
+                                     *, backend: str | None = None,
                                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token gated delta rule (decoding), same signature and layouts as chunk_gated_delta_rule."""
-    scale, backend = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
+    scale = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
     if backend is not None:
         backends.call_backend(RECURRENT, backend)
     o, final, _ = _recurrent_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),

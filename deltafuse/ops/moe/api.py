@@ -15,7 +15,8 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 @check.public_op(MOE_EXPERTS)
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu", **kwargs) -> torch.Tensor:
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu",
+                *, backend: str | None = None, **kwargs) -> torch.Tensor:
     """Routed experts exactly as transformers' ``Qwen3_5MoeExperts`` / ``Qwen3NextExperts`` compute them.
 
     hidden: [N, H]; top_k_index: [N, k] integer expert ids in [0, E); top_k_weights: [N, k] routing weights
@@ -25,7 +26,6 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     expert weights (also when they are computed per call, e.g. with LoRA on the experts). Experts that receive
     no token get zero weight gradients. ``backend=`` may force 'torch'.
     """
-    backend = kwargs.pop("backend", None)
     if kwargs:
         check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
     if act not in ACTIVATIONS:

@@ -29,13 +29,13 @@ def _x_weight(x, weight):
 
 
 @check.public_op(RMS_NORM)
-def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, **kwargs) -> torch.Tensor:
+def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                           *, backend: str | None = None, **kwargs) -> torch.Tensor:
     """Qwen3.5's RMSNorm: ``x * rsqrt(mean(x^2, -1) + eps) * (1 + weight)`` in fp32, cast to x's dtype.
 
     x: [..., D] (any float dtype); weight: [D] (initialised to zeros by transformers). Returns x's shape
     and dtype. ``backend=`` may force 'triton' or 'torch'.
     """
-    backend = kwargs.pop("backend", None)
     if kwargs:
         check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
     _x_weight(x, weight)
@@ -48,13 +48,12 @@ def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
 
 @check.public_op(RMS_NORM_GATED)
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                   **kwargs) -> torch.Tensor:
+                   *, backend: str | None = None, **kwargs) -> torch.Tensor:
     """Qwen3.5's gated RMSNorm: ``(weight * norm(x).to(x.dtype)) * silu(gate.float())``, cast to x's dtype.
 
     norm(x) = x * rsqrt(mean(x^2, -1) + eps) in fp32. x, gate: [..., D] of the same shape; weight: [D]
     (initialised to ones). ``backend=`` may force 'triton' or 'torch'.
     """
-    backend = kwargs.pop("backend", None)
     if kwargs:
         check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
     _x_weight(x, weight)

@@ -14,7 +14,8 @@ UNSQUEEZE = {1: 1, 2: 2, -3: 1, -2: 2}
 
 @check.public_op(ROPE)
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         unsqueeze_dim: int = 1, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+                         unsqueeze_dim: int = 1, *, backend: str | None = None,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the first rotary_dim channels of every q and k head; pass the other channels through.
 
     q: [B, HQ, T, D] and k: [B, HK, T, D] (unsqueeze_dim=1, transformers' layout) or [B, T, H, D]
@@ -24,7 +25,6 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     ``out = x * cos + rotate_half(x) * sin`` on the rotated channels. Returns (q_embed, k_embed) in the
     promoted dtype of q and cos. ``backend=`` may force 'triton' or 'torch'.
     """
-    backend = kwargs.pop("backend", None)
     if kwargs:
         check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: unsqueeze_dim, backend")
     if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in UNSQUEEZE:

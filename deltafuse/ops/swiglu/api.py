@@ -11,12 +11,11 @@ from deltafuse.ops import _checks as check
 
 
 @check.public_op(SWIGLU)
-def swiglu(gate: torch.Tensor, up: torch.Tensor, **kwargs) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None, **kwargs) -> torch.Tensor:
     """``silu(gate) * up`` elementwise. gate, up: [..., C] of one shape and dtype. Returns gate's shape/dtype.
 
     ``backend=`` may force 'triton' or 'torch'.
     """
-    backend = kwargs.pop("backend", None)
     if kwargs:
         check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
     check.tensor("gate", gate)

@@ -8,7 +8,8 @@ When things happen:
 
 * constructing the trainer (``on_init_end``): the arguments were already checked when the callback was built;
   here the model is checked to hold a supported family (``UnsupportedModelError`` now, not after data
-  loading). Nothing is patched yet: TRL trainers add their fused LM head *after* ``Trainer.__init__`` by
+  loading), and a process that sees several GPUs without a launcher trains on the first one (with a warning
+  saying how to launch one process per GPU) instead of the Trainer's ``torch.nn.DataParallel``. Nothing is patched yet: TRL trainers add their fused LM head *after* ``Trainer.__init__`` by
   capturing ``model.forward``, and a forward captured while patched would keep calling deltafuse's causal-LM
   forward after ``revert``.
 * ``trainer.train()`` (``on_train_begin``, after the optimizer and the accelerate/DDP wrapping exist):
@@ -75,6 +76,14 @@ class DeltafuseCallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is not None:
             find_model(model)  # UnsupportedModelError names every wrapper walked
+        gpus = getattr(args, "n_gpu", 0)
+        if gpus > 1:
+            # one process that sees several GPUs: the Trainer would replicate the model with
+            # torch.nn.DataParallel (deprecated by torch; deltafuse's fused loss does not run in its replicas)
+            logger.warning("deltafuse: this process sees %d GPUs; training on the first only instead of "
+                           "torch.nn.DataParallel. To train on all of them launch one process per GPU: "
+                           "torchrun --nproc_per_node %d your_script.py (or accelerate launch)", gpus, gpus)
+            args._n_gpu = 1  # what transformers' Trainer itself sets for a model it must not replicate
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:

@@ -201,3 +201,24 @@ def test_unsupported_model_fails_when_the_trainer_is_built(tmp_path):
         Trainer(model=model, args=TrainingArguments(**training_args(tmp_path)),
                 train_dataset=Rows(2, 8, 64, seed=0), callbacks=[DeltafuseCallback()])
     assert not PATCHER.has_records()
+
+
+def test_one_process_seeing_several_gpus_trains_on_one_instead_of_data_parallel(tmp_path, caplog):
+    """The Trainer decides DataParallel and the batch size from ``args.n_gpu`` when training starts; the
+    callback, told at construction that the process sees 2 GPUs, brings it to 1 and says how to use both."""
+    import logging
+
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(**training_args(tmp_path))
+    args._n_gpu = 2  # what transformers computes on a machine with two visible GPUs and no launcher
+    callback = DeltafuseCallback()
+    with caplog.at_level(logging.WARNING, logger="deltafuse"):
+        callback.on_init_end(args, None, None, model=build_model("tiny"))
+    assert args.n_gpu == 1 and args.train_batch_size == args.per_device_train_batch_size
+    assert "this process sees 2 GPUs; training on the first only instead of torch.nn.DataParallel" in caplog.text
+    assert "torchrun --nproc_per_node 2" in caplog.text
+    args._n_gpu = 1
+    caplog.clear()
+    callback.on_init_end(args, None, None, model=build_model("tiny"))
+    assert args.n_gpu == 1 and not caplog.text

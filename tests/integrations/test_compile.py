@@ -152,3 +152,24 @@ def test_packing_starts_checks_the_offsets_when_it_runs():
         pk.packing_starts(torch.tensor([0, 4, 21]), 2, 11)
     with pytest.raises(pk.PackingError, match=r"must lie in \[0, B\*T = 22\]"):
         pk.packing_starts(torch.tensor([0, -3, 22]), 2, 11)
+
+
+def test_compiled_boundaries_equal_eager():
+    """Traced with no break, the boundaries (seq_idx, and the positions derived from given cu_seq_lens_q) are
+    eager's, and malformed offsets are refused when the graph runs."""
+    cu = torch.tensor([0, 4, 5, 11, 18, 22], dtype=torch.int32)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])
+
+    def boundaries(cu, pos):
+        given = pk.packing_from_cu_seqlens(cu, 2, 11)
+        derived = pk.packing_from_position_ids(pos, 2, 11)
+        return given.seq_idx, given.positions(), derived.seq_idx
+
+    torch._dynamo.reset()
+    compiled = torch.compile(boundaries, fullgraph=True)
+    for got, want in zip(compiled(cu, pos), boundaries(cu, pos)):
+        assert torch.equal(got, want)
+    assert torch.equal(compiled(cu, pos)[1], pos)
+    with pytest.raises(pk.PackingError, match=r"run from 0 to B\*T"):
+        compiled(torch.tensor([0, 4, 5, 11, 18, 21], dtype=torch.int32), pos)
+    torch._dynamo.reset()

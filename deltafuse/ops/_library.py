@@ -28,6 +28,7 @@ import weakref
 from typing import Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.graph import get_gradient_edge
 
 from deltafuse.ops import _amp
@@ -107,6 +108,14 @@ def run_forward(tensors: Sequence[torch.Tensor | None], grad_mask: Sequence[bool
     return result
 
 
+def in_layout_of(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``out`` in the memory layout of ``torch.empty_like(like)`` (what a fake implementation built with
+    ``empty_like`` promises a compiled graph), copied only when its strides differ."""
+    if out.stride() == like.stride():
+        return out
+    return torch.empty_like(like, dtype=out.dtype).copy_(out)
+
+
 def fake_outputs(*outs: torch.Tensor | None, like: torch.Tensor) -> list[torch.Tensor]:
     """The fake implementation's outputs: placeholders for None, then the handle."""
     return [like.new_empty(0) if o is None else o for o in outs] + [torch.empty(1, dtype=torch.int64)]
@@ -118,8 +127,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @torch.library.custom_op(f"{NAMESPACE}::backward", mutates_args=())
 def backward(handle: torch.Tensor, grads: list[torch.Tensor | None], sizes: list[int], ndims: list[int],
-             dtypes: list[int], device: torch.device) -> list[torch.Tensor]:
-    """Gradients of the inputs a forward op recorded (in ``grad_mask`` order) for the outputs' ``grads``."""
+             dtypes: list[int], device: torch.device, keep: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradients of the inputs a forward op recorded (in ``grad_mask`` order) for the outputs' ``grads``.
+
+    ``keep``: in a compiled graph, the forward op's tensor inputs and outputs, unused here: passing them keeps
+    their memory alive until this op runs, as the record may hold them (the compiler would otherwise reuse the
+    memory of a buffer it thinks dead, and the record would read other data)."""
     key = handle.data_ptr()
     record = _records.get(key)
     if record is None:
@@ -141,9 +154,11 @@ def backward(handle: torch.Tensor, grads: list[torch.Tensor | None], sizes: list
     result = []
     for g, leaf in zip(got, leaves):
         if g is None:
-            g = torch.zeros_like(leaf)
+            g = torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
         elif g.numel() and g.untyped_storage().data_ptr() in seen:
-            g = g.clone()
+            g = g.clone(memory_format=torch.contiguous_format)
+        elif not g.is_contiguous():
+            g = g.contiguous()  # the fake's layout (a compiled graph relies on it)
         if g.numel():
             seen.add(g.untyped_storage().data_ptr())
         result.append(g)
@@ -151,7 +166,7 @@ def backward(handle: torch.Tensor, grads: list[torch.Tensor | None], sizes: list
 
 
 @backward.register_fake
-def _(handle, grads, sizes, ndims, dtypes, device):
+def _(handle, grads, sizes, ndims, dtypes, device, keep):
     out, start = [], 0
     for nd, dt in zip(ndims, dtypes):
         out.append(torch.empty(sizes[start:start + nd], dtype=_DTYPES[dt], device=device))
@@ -177,16 +192,20 @@ def register_autograd(op, tensor_args: Sequence[str], no_grad_outputs: Sequence[
         ctx.device = next(ts[i].device for i in ctx.marked) if ctx.marked else None
         ctx.n_inputs = len(inputs)
         ctx.mark_non_differentiable(*[output[i] for i in no_grad_outputs], output[-1])
-        ctx.save_for_backward(output[-1])
+        keep = []
+        if is_fake(output[-1]):  # traced for a compiled graph: keep the memory the record may hold alive
+            keep = [t for t in (*inputs, *output[:-1]) if isinstance(t, torch.Tensor) and t.numel()]
+        ctx.n_keep = len(keep)
+        ctx.save_for_backward(output[-1], *keep)
 
     def backward_fn(ctx, grads):
         result = [None] * ctx.n_inputs
         if not ctx.marked:
             return tuple(result)
-        (handle,) = ctx.saved_tensors
+        handle, *keep = ctx.saved_tensors
         sizes = [s for shape, _ in ctx.meta for s in shape]
         got = globals()["backward"](handle, list(grads[:-1]), sizes, [len(shape) for shape, _ in ctx.meta],
-                                    [dt for _, dt in ctx.meta], ctx.device)
+                                    [dt for _, dt in ctx.meta], ctx.device, keep)
         for i, g in zip(ctx.marked, got):
             result[positions[i]] = g
         return tuple(result)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from deltafuse import ops
+from deltafuse.ops import _library
 from deltafuse.integrations.transformers.packing import (
     Packing, PackingError, held_packing, packing_from_cu_seqlens, packing_from_seq_idx,
 )
@@ -34,6 +35,12 @@ def _given_packing(cu_seqlens, seq_idx, batch: int, length: int) -> Packing | No
 def _gdn_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
               packing: Packing | None):
     B, T = q.shape[:2]
+    if packing is not None and packing.cu_seqlens is None:  # derived inside a compiled graph
+        o, final, _ = _packed_gdn_op(q, k, v, g, beta, initial_state, packing.seq_idx, scale,
+                                     bool(output_final_state), bool(use_qk_l2norm_in_kernel),
+                                     op is ops.fused_recurrent_gated_delta_rule,
+                                     _library.grad_mask(q, k, v, g, beta, initial_state))
+        return o, (final if output_final_state else None)
     if packing is None or packing.rows_are_sequences:
         return op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
@@ -57,6 +64,35 @@ def _gdn_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, us
     if final is not None:
         final = final[last]
     return o, final
+
+
+def _packed_gdn_fake(q, k, v, g, beta, initial_state, seq_idx, scale, output_final_state,
+                     use_qk_l2norm_in_kernel, recurrent, grad_mask):
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    final = None
+    if output_final_state:
+        final = q.new_empty(B, HV, K, V, dtype=torch.promote_types(q.dtype, torch.float32))
+    return _library.fake_outputs(q.new_empty(B, T, HV, V), final, like=q)
+
+
+@_library.define("packed_gated_delta_rule", ("q", "k", "v", "g", "beta", "initial_state"), _packed_gdn_fake)
+def _packed_gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   initial_state: torch.Tensor | None, seq_idx: torch.Tensor, scale: float | None,
+                   output_final_state: bool, use_qk_l2norm_in_kernel: bool, recurrent: bool,
+                   grad_mask: list[bool]) -> list[torch.Tensor]:
+    """The GDN op on a [B, T] batch whose sequences ``seq_idx`` [B, T] (a Packing's) gives: what a compiled
+    graph calls, as the number of sequences is known only when it runs. Derives the Packing here (one read of
+    the boundaries per call) and runs the same path as an eager call, the public op's own autograd included
+    (recorded and replayed by ``deltafuse::backward``); initial and final states are per row."""
+    B, T = seq_idx.shape
+    packing = packing_from_seq_idx(seq_idx, B, T)
+    op = ops.fused_recurrent_gated_delta_rule if recurrent else ops.chunk_gated_delta_rule
+
+    def run(q_, k_, v_, g_, b_, h0):
+        return _gdn_call(op, q_, k_, v_, g_, b_, scale, h0, output_final_state, use_qk_l2norm_in_kernel, packing)
+
+    return _library.run_forward([q, k, v, g, beta, initial_state], grad_mask, run, q.device.type)
 
 
 def _gdn_packing(q, cu_seqlens, kwargs) -> Packing | None:

@@ -392,10 +392,11 @@ PACKED_ATTENTION_MIN_TOKENS = 8192
 
 
 def _packed_offsets(query, key, kwargs):
-    """The sequence offsets (host ints) when this call may be computed sequence by sequence, else None."""
+    """The sequence offsets (host ints) when this call may be computed sequence by sequence, else None (also
+    inside a compiled graph, where they are not known on the host: transformers' block-causal mask then)."""
     packing = kwargs.get(PACKING_KWARG)
     B, _, T, _ = query.shape
-    if (packing is None or not packing.block_causal or T < PACKED_ATTENTION_MIN_TOKENS
+    if (packing is None or packing.offsets is None or not packing.block_causal or T < PACKED_ATTENTION_MIN_TOKENS
             or key.shape[2] != T or (packing.batch, packing.length) != (B, T)):
         return None
     return packing.offsets

@@ -30,17 +30,28 @@ The route, in every transformers version:
    ``PackingError`` instead of mixing sequences; so does a GDN layer inside a packed text-model call that
    received the boundaries neither way.
 
-Every context variable is set and reset around one call (in ``finally``), so nothing outlives it and each
-thread / task sees its own; under gradient checkpointing the recomputation calls the layers with the same
-keywords and sets them again.
+Every slot (``_Slot``: a per-thread value with ContextVar's get / set / reset) is set and reset around one
+synchronous call (in ``finally``), so nothing outlives it and each thread sees its own; under gradient
+checkpointing the recomputation calls the layers with the same keywords and sets them again. The slots are
+per-thread attributes rather than ``contextvars`` because dynamo traces attribute reads and writes but not
+``ContextVar.get``: ``torch.compile`` of a patched model traces this whole route.
+
+Under ``torch.compile`` the boundaries are derived on the device and never read back while tracing: the
+Packing holds only ``seq_idx`` (a cumulative sum; fixed size), not ``cu_seqlens`` (whose size is the number of
+sequences: data-dependent) nor ``offsets``; the GDN adapter hands ``seq_idx`` to the custom op
+``deltafuse::packed_gated_delta_rule``, which derives the offsets when the graph runs. A batch is then treated
+as packed whenever boundaries were looked for (a batch whose rows are its sequences gives the same results
+through the packed call). Explicit ``cu_seq_lens_q`` are checked and marked by ``deltafuse::packing_starts``
+when the graph runs. Two decisions need values and break the graph there, once per model call: an all-ones
+2-D ``attention_mask`` given with ``position_ids``, and [3, B, T] position_ids (equal rows or not).
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -57,12 +68,33 @@ PACKING_KWARG = "deltafuse_packing"
 # removes them before the stock forward runs: the held Packing replaces them).
 BOUNDARY_KWARGS = ("cu_seq_lens_q", "seq_idx")
 
+
+class _Slot(threading.local):
+    """A value per thread (None until set) with ContextVar's ``get`` / ``set`` / ``reset``: ``set`` returns the
+    token that ``reset`` takes to restore the previous value. Unlike ``contextvars``, dynamo traces it."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.value = None
+
+    def get(self):
+        return self.value
+
+    def set(self, value) -> tuple:
+        token = (self.value,)
+        self.value = value
+        return token
+
+    def reset(self, token: tuple) -> None:
+        self.value = token[0]
+
+
 # (GDN layer, Packing) while a decoder layer that holds that GDN layer runs with a packed batch (5.2-5.8).
-_LAYER_PACKING: contextvars.ContextVar = contextvars.ContextVar("deltafuse_layer_packing", default=None)
+_LAYER_PACKING = _Slot("deltafuse_layer_packing")
 # The Packing of the text-model call in progress: a GDN layer inside it that got no boundaries is an error.
-_MODEL_PACKING: contextvars.ContextVar = contextvars.ContextVar("deltafuse_model_packing", default=None)
+_MODEL_PACKING = _Slot("deltafuse_model_packing")
 # _HeldPacking while the forward of a GDN layer with a packed batch runs: the op adapters take it here.
-_OP_PACKING: contextvars.ContextVar = contextvars.ContextVar("deltafuse_op_packing", default=None)
+_OP_PACKING = _Slot("deltafuse_op_packing")
 
 # Host copies of the offsets of every live Packing: cu_seqlens tensor -> (its version, the offsets).
 _HOST_OFFSETS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -89,52 +121,56 @@ class Packing:
 
     seq_idx: [B, T] int64, the sequence of every token; ids grow along the flat B*T axis and differ between
         rows, so it serves both causal-conv1d's per-row convention and a flattened call.
-    cu_seqlens: [N + 1] int32 offsets of the N sequences on the flat B*T axis.
-    offsets: the same offsets as Python ints (known when the boundaries were found: no device read).
+    cu_seqlens: [N + 1] int32 offsets of the N sequences on the flat B*T axis; None when derived inside a
+        compiled graph (their number is data-dependent there; the ops derive them from seq_idx when it runs).
+    offsets: the same offsets as Python ints (known when the boundaries were found: no device read); None
+        when derived inside a compiled graph.
     block_causal: the attention mask transformers builds for this batch is exactly "causal within each
         sequence" (no attention mask, no cache, position_ids restarting at these boundaries), so attention may
         be computed sequence by sequence.
     """
 
     seq_idx: torch.Tensor
-    cu_seqlens: torch.Tensor
+    cu_seqlens: torch.Tensor | None
     batch: int
     length: int
-    offsets: tuple[int, ...] = ()
+    offsets: tuple[int, ...] | None = ()
     block_causal: bool = False
 
     def __post_init__(self):
-        if len(self.offsets) != self.cu_seqlens.numel():  # not given: read once from the tensor
+        if self.offsets is not None and len(self.offsets) != self.cu_seqlens.numel():
+            # not given: read once from the tensor
             object.__setattr__(self, "offsets", tuple(int(v) for v in self.cu_seqlens.tolist()))
 
     @property
-    def num_sequences(self) -> int:
-        return self.cu_seqlens.numel() - 1
+    def num_sequences(self) -> int | None:
+        """The number of sequences (None when derived inside a compiled graph)."""
+        return None if self.cu_seqlens is None else self.cu_seqlens.numel() - 1
 
     @property
     def rows_are_sequences(self) -> bool:
-        """Every row holds exactly one sequence (the ordinary batched call is then exact)."""
+        """Every row holds exactly one sequence (the ordinary batched call is then exact). False when the
+        offsets are not known on the host (compiled): the packed call is exact in every case."""
+        if self.offsets is None:
+            return False
         return self.num_sequences == self.batch and all(
             b - a == self.length for a, b in zip(self.offsets, self.offsets[1:]))
 
     def row_sequences(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index of the first and of the last sequence of every row."""
-        first, last = [], []
-        j = 0
-        for row in range(self.batch):
-            while self.offsets[j + 1] <= row * self.length:
-                j += 1
-            first.append(j)
-            k = j
-            while self.offsets[k + 1] < (row + 1) * self.length:
-                k += 1
-            last.append(k)
-        return (torch.tensor(first, dtype=torch.long, device=device),
-                torch.tensor(last, dtype=torch.long, device=device))
+        """Index of the first and of the last sequence of every row: the sequences of its first and its last
+        token."""
+        seq_idx = self.seq_idx.to(device=device, dtype=torch.long)
+        return seq_idx[:, 0].contiguous(), seq_idx[:, -1].contiguous()
 
     def positions(self) -> torch.Tensor:
         """[B, T] int64 position of every token within its sequence (0 at each sequence start)."""
         flat = torch.arange(self.batch * self.length, device=self.seq_idx.device)
+        if self.cu_seqlens is None:  # compiled: the start of every token's sequence, by a running maximum
+            sid = self.seq_idx.reshape(-1)
+            is_start = torch.ones_like(sid, dtype=torch.bool)
+            is_start[1:] = sid[1:] != sid[:-1]
+            first = torch.cummax(torch.where(is_start, flat, torch.zeros_like(flat)), 0).values
+            return (flat - first).view(self.batch, self.length)
         starts = self.cu_seqlens.to(device=flat.device, dtype=torch.int64)[:-1]
         return (flat - starts[self.seq_idx.reshape(-1)]).view(self.batch, self.length)
 
@@ -152,10 +188,34 @@ class _HeldPacking:
     used: set = dataclasses.field(default_factory=set)  # "gdn", "conv": the op adapters that took it
 
 
+@torch.library.custom_op("deltafuse::packing_starts", mutates_args=())
+def packing_starts(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """[batch, length] bool: True at the first token of every sequence of the offsets ``cu_seqlens`` (on the
+    flat axis) and at every row start; the offsets are checked (as ``packing_from_cu_seqlens`` does eagerly)
+    when it runs, which inside a compiled graph is when the graph runs."""
+    cu = cu_seqlens.to(torch.int64)
+    total = batch * length
+    _check_given_offsets(cu, total, batch, length)
+    if bool(((cu < 0) | (cu > total)).any()):
+        raise PackingError(f"cu_seq_lens_q must lie in [0, B*T = {total}], got {cu.tolist()}")
+    flat = torch.zeros(total + 1, dtype=torch.bool, device=cu.device)
+    flat[cu] = True  # the end offset marks the extra last slot
+    starts = flat[:total].view(batch, length).clone()
+    starts[:, 0] = True
+    return starts
+
+
+@packing_starts.register_fake
+def _(cu_seqlens, batch, length):
+    return cu_seqlens.new_empty((batch, length), dtype=torch.bool)
+
+
 def packing_from_starts(starts: torch.Tensor) -> Packing | None:
     """Packing from a [B, T] bool tensor marking the first token of every sequence (row starts implied).
 
-    Returns None when every row holds exactly one sequence (the ordinary batched call is then exact).
+    Returns None when every row holds exactly one sequence (the ordinary batched call is then exact). While
+    dynamo traces a graph nothing is read back: the Packing holds only ``seq_idx`` and is returned even when
+    the rows are the sequences.
     """
     B, T = starts.shape
     if T == 0:
@@ -163,10 +223,12 @@ def packing_from_starts(starts: torch.Tensor) -> Packing | None:
     starts = starts.clone()
     starts[:, 0] = True
     flat = starts.reshape(-1)
+    seq_idx = (flat.to(torch.int64).cumsum(0) - 1).view(B, T)
+    if torch.compiler.is_compiling():
+        return Packing(seq_idx, None, B, T, None)
     offsets = flat.nonzero().squeeze(1)
     if offsets.numel() == B:
         return None
-    seq_idx = (flat.to(torch.int64).cumsum(0) - 1).view(B, T)
     end = torch.tensor([B * T], device=offsets.device, dtype=offsets.dtype)
     cu_seqlens = torch.cat([offsets, end]).to(torch.int32)
     # nonzero() above already waited for the device: keep a host copy so that no layer reads it back again
@@ -221,6 +283,13 @@ def packing_from_seq_idx(seq_idx: torch.Tensor, batch: int, length: int) -> Pack
     return packing_from_starts(starts)
 
 
+def _check_given_offsets(cu: torch.Tensor, total: int, batch, length) -> None:
+    first, last = int(cu[0]), int(cu[-1])
+    if first != 0 or last != total:
+        raise PackingError(f"cu_seq_lens_q must run from 0 to B*T = {batch}*{length} = {total} (offsets on the "
+                           f"flattened batch), got {first} ... {last}")
+
+
 def packing_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> Packing | None:
     """cu_seqlens are offsets on the flat B*T axis; a row start that is not an offset still starts a sequence."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
@@ -228,10 +297,9 @@ def packing_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -
         raise PackingError(f"cu_seq_lens_q must be a 1-D tensor of at least 2 offsets, got {got}")
     cu = cu_seqlens.to(torch.int64)
     total = batch * length
-    first, last = int(cu[0]), int(cu[-1])
-    if first != 0 or last != total:
-        raise PackingError(f"cu_seq_lens_q must run from 0 to B*T = {batch}*{length} = {total} (offsets on the "
-                           f"flattened batch), got {first} ... {last}")
+    if torch.compiler.is_compiling():  # no host read while tracing: checked and marked when the graph runs
+        return packing_from_starts(packing_starts(cu_seqlens, batch, length))
+    _check_given_offsets(cu, total, batch, length)
     flat = torch.zeros(total, dtype=torch.bool, device=cu.device)
     offsets = cu[:-1]
     flat[offsets[offsets < total]] = True  # an empty trailing sequence starts at the end: no token to mark
@@ -425,7 +493,7 @@ def wrap_gdn_forward(original):
             if expected is not None and (expected.batch, expected.length) == (batch, length):
                 raise PackingError(
                     f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}) runs inside a packed "
-                    f"batch of {expected.num_sequences} sequences but received no sequence boundaries: its "
+                    f"batch of {expected.num_sequences or 'several'} sequences but received no sequence boundaries: its "
                     f"decoder layer (transformers {_transformers_version()}) passes them neither in its keywords "
                     "nor through a 'linear_attn' attribute; refusing to mix the sequences")
             return original(self, *args, **kwargs)  # one sequence per row: nothing to separate

@@ -94,11 +94,12 @@ def _conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, i
     def run(x_, w, b, init):
         out = impl(x_, w, b, activation=activation, seq_idx=seq_idx, cu_seqlens=cu_seqlens, initial_states=init,
                    return_final_states=return_final_states)
+        y = _library.in_layout_of(out[0] if return_final_states else out, x_)  # the fake's layout
         if not return_final_states:
-            return (out,)
+            return y, None  # the fake's outputs: a placeholder where the final states would be
         # a view into a larger buffer (the last W-1 columns) becomes a [B, C, W-1] tensor of its own
         final = out[1] if out[1].storage_offset() == 0 and out[1].is_contiguous() else out[1].clone()
-        return out[0], final
+        return y, final
 
     return _library.run_forward([x, weight, bias, initial_states], grad_mask, run, x.device.type)
 

@@ -68,4 +68,9 @@ def _rope_fake(q, k, cos, sin, unsqueeze_dim, backend, grad_mask):
 def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
              backend: str | None, grad_mask: list[bool]) -> list[torch.Tensor]:
     impl = backends.select(ROPE, _library.call_info(grad_mask, q, k, cos, sin), backend)
-    return _library.run_forward([q, k, cos, sin], grad_mask, lambda *t: impl(*t, unsqueeze_dim), q.device.type)
+
+    def run(q_, k_, cos_, sin_):
+        q_out, k_out = impl(q_, k_, cos_, sin_, unsqueeze_dim)
+        return _library.in_layout_of(q_out, q_), _library.in_layout_of(k_out, k_)  # the fake's layouts
+
+    return _library.run_forward([q, k, cos, sin], grad_mask, run, q.device.type)

@@ -11,6 +11,23 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# torch.compile's on-disk caches key a compiled graph on its traced forward, not on the schema of the custom ops
+# its backward calls: a cache written by an earlier deltafuse could hand these tests a stale backward. One
+# fresh cache per test session (not for the whole machine: the caches' directory stays the user's).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="deltafuse-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+else:
+    _INDUCTOR_CACHE = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _INDUCTOR_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
 DELTAFUSE_ENV = ("DELTAFUSE_PATCH", "DELTAFUSE_GDN", "DELTAFUSE_FUSED_OPS", "DELTAFUSE_MOE", "DELTAFUSE_BACKEND",
                  "DELTAFUSE_VALIDATE",

@@ -35,6 +35,7 @@ def stock_per_sequence(family: str, seed: int, rows: list[torch.Tensor]):
     return loss.item(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow  # two processes each; the full run only
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("family", ["tiny", "tiny-moe"])
 def test_fsdp2_two_processes_equal_stock_on_one(tmp_path, family):

@@ -29,7 +29,6 @@ from typing import Callable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.autograd.graph import get_gradient_edge
 
 from deltafuse.ops import _amp
 
@@ -98,7 +97,11 @@ def run_forward(tensors: Sequence[torch.Tensor | None], grad_mask: Sequence[bool
             result.append(ref.new_empty(0))
             continue
         if needs and o.requires_grad:
-            edges.append((i, get_gradient_edge(o)))
+            # the output tensor itself, not its gradient edge: torch < 2.13's autograd.grad cannot take the edge
+            # of a torch.autograd.Function's output (it reads metadata such nodes do not expose). The detached
+            # output returned shares its storage; holding it keeps that memory until the backward has run
+            # (the ops' consumers save their inputs for their own backward anyway)
+            edges.append((i, o))
         result.append(o.detach())
     if edges:
         leaves = [t for t, m in zip(inputs, grad_mask) if m and t is not None]

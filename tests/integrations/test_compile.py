@@ -126,7 +126,7 @@ def _gdn_args(grad, final, state):
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("state", [False, True], ids=["stateless", "states"])
 def test_packing_ops_pass_opcheck(grad, state):
-    torch.library.opcheck(adapters._packed_gdn_op, _gdn_args(grad, state, state))
+    torch.library.opcheck(adapters._packed_gdn_op.op, _gdn_args(grad, state, state))
     if not grad and not state:
         cu = torch.tensor([0, 4, 5, 11, 18, 22], dtype=torch.int32)
         torch.library.opcheck(pk.packing_starts, (cu, 2, 11))
@@ -135,7 +135,7 @@ def test_packing_ops_pass_opcheck(grad, state):
 def test_packed_gdn_op_equals_the_eager_route_with_states():
     """Initial states continue each row's first sequence and final states are each row's last, as eagerly."""
     q, k, v, g, beta, h0, seq_idx, scale, *_ = _gdn_args(False, True, True)
-    o, final, _ = adapters._packed_gdn_op(q, k, v, g, beta, h0, seq_idx, scale, True, True, False, [False] * 6)
+    o, final, _ = adapters._packed_gdn_op.op(q, k, v, g, beta, h0, seq_idx, scale, True, True, False, [False] * 6)
     packing = pk.packing_from_seq_idx(seq_idx, *seq_idx.shape)
     assert packing.offsets == (0, 2, 5, 6, 10, 12)
     want_o, want_final = adapters._gdn_call(deltafuse.ops.chunk_gated_delta_rule, q, k, v, g, beta, scale, h0,

@@ -42,26 +42,26 @@ def _cases(grad):
     targets[3] = -100
     N, E, I, kk = 6, 3, 4, 2
     return {
-        "chunk_gated_delta_rule": (gdn_api._chunk_op, (q, k, v, gd, beta, h0, cu, 0.3, True, True, None, m, False)),
-        "fused_recurrent_gated_delta_rule": (gdn_api._recurrent_op,
+        "chunk_gated_delta_rule": (gdn_api._chunk_op.op, (q, k, v, gd, beta, h0, cu, 0.3, True, True, None, m, False)),
+        "fused_recurrent_gated_delta_rule": (gdn_api._recurrent_op.op,
                                              (q, k, v, gd, beta, None, None, 0.3, True, False, None, m, False)),
-        "causal_conv1d_fn": (conv_api._conv_op, (x, w, b, init, None, None, True, "silu", None, [grad] * 4, False)),
+        "causal_conv1d_fn": (conv_api._conv_op.op, (x, w, b, init, None, None, True, "silu", None, [grad] * 4, False)),
         "causal_conv1d_update": (conv_api._conv_update_op,
                                  (x[..., :1].detach(), _r(2, 6, 4), w.detach(), b.detach(), "silu", None)),
-        "rms_norm_zero_centered": (norm_api._rms_norm_op, (_r(3, 5, 8, grad=grad), _r(8, grad=grad), 1e-6, None,
+        "rms_norm_zero_centered": (norm_api._rms_norm_op.op, (_r(3, 5, 8, grad=grad), _r(8, grad=grad), 1e-6, None,
                                                            [grad] * 2)),
-        "rms_norm_gated": (norm_api._rms_norm_gated_op, (_r(3, 8, grad=grad), _r(3, 8, grad=grad), _r(8, grad=grad),
+        "rms_norm_gated": (norm_api._rms_norm_gated_op.op, (_r(3, 8, grad=grad), _r(3, 8, grad=grad), _r(8, grad=grad),
                                                          1e-6, None, [grad] * 3)),
-        "apply_rotary_pos_emb": (rope_api._rope_op, (_r(2, 3, 5, 8, grad=grad), _r(2, 1, 5, 8, grad=grad),
+        "apply_rotary_pos_emb": (rope_api._rope_op.op, (_r(2, 3, 5, 8, grad=grad), _r(2, 1, 5, 8, grad=grad),
                                                      _r(2, 5, 4), _r(2, 5, 4), 1, None, [grad, grad, False, False])),
-        "swiglu": (swiglu_api._swiglu_op, (_r(4, 6, grad=grad), _r(4, 6, grad=grad), None, [grad] * 2)),
-        "fused_linear_cross_entropy": (ce_api._fused_ce_op,
+        "swiglu": (swiglu_api._swiglu_op.op, (_r(4, 6, grad=grad), _r(4, 6, grad=grad), None, [grad] * 2)),
+        "fused_linear_cross_entropy": (ce_api._fused_ce_op.op,
                                        (hidden, head, None, targets, None, None, -100, "mean", 4, None, True, True,
                                         None, [grad, grad, False], False)),
-        "token_logprobs": (ce_api._token_logprobs_op,
+        "token_logprobs": (ce_api._token_logprobs_op.op,
                            (hidden, head, None, targets, -100, 0.7, True, True, 4, None, None, [grad, grad, False],
                             False)),
-        "moe_experts": (moe_api._moe_op, (_r(N, 8, grad=grad), torch.randint(0, E, (N, kk)),
+        "moe_experts": (moe_api._moe_op.op, (_r(N, 8, grad=grad), torch.randint(0, E, (N, kk)),
                                           torch.rand(N, kk).requires_grad_(grad), _r(E, 2 * I, 8, grad=grad),
                                           _r(E, 8, I, grad=grad), None, [grad] * 4, False)),
     }
@@ -83,12 +83,18 @@ def test_opcheck(name, grad):
     torch.library.opcheck(op, args)
 
 
-def test_backward_matches_the_backend_run_directly():
-    """The op's gradients are the backend's own (here the torch reference's autograd)."""
+@pytest.mark.parametrize("route", ["eager", "custom-op"])
+def test_backward_matches_the_backend_run_directly(route):
+    """The op's gradients are the backend's own (here the torch reference's autograd), called eagerly (the
+    implementation itself) or through the custom op a compiled graph calls."""
+    from deltafuse.ops.norm import api as norm_api
     from deltafuse.ops.norm.reference import rms_norm_gated_torch
 
     x, gate, w = _r(3, 8, grad=True), _r(3, 8, grad=True), _r(8, grad=True)
-    y = ops.rms_norm_gated(x, gate, w, 1e-6)
+    if route == "eager":
+        y = ops.rms_norm_gated(x, gate, w, 1e-6)
+    else:
+        y = norm_api._rms_norm_gated_op.op(x, gate, w, 1e-6, None, [True, True, True])[0]
     dy = torch.randn_like(y)
     got = torch.autograd.grad(y, (x, gate, w), dy)
     want = torch.autograd.grad(rms_norm_gated_torch(x, gate, w, 1e-6), (x, gate, w), dy)
@@ -96,16 +102,33 @@ def test_backward_matches_the_backend_run_directly():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_backward_record_is_freed_with_the_graph():
+def test_an_eager_call_records_nothing_outside_autograd():
+    """Eagerly the op is its implementation: no backward record, no custom-op dispatch."""
     from deltafuse.ops import _library
 
     before = len(_library._records)
     x, w = _r(4, 8, grad=True), _r(8, grad=True)
     y = ops.rms_norm_zero_centered(x, w)
+    assert len(_library._records) == before and y.grad_fn is not None
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
+
+
+def test_backward_record_is_freed_with_the_graph():
+    from deltafuse.ops import _library
+
+    before = len(_library._records)
+    x, w = _r(4, 8, grad=True), _r(8, grad=True)
+    from deltafuse.ops.norm import api as norm_api
+
+    def op(x, w):  # the custom op, as a compiled graph calls it
+        return norm_api._rms_norm_op.op(x, w, 1e-6, None, [True, True])[0]
+
+    y = op(x, w)
     assert len(_library._records) == before + 1
     y.sum().backward()
     del y
     assert len(_library._records) == before
-    y = ops.rms_norm_zero_centered(x, w)  # no backward at all
+    y = op(x, w)  # no backward at all
     del y
     assert len(_library._records) == before

@@ -284,6 +284,9 @@ def test_packing_from_cu_seqlens_and_seq_idx_agree():
     assert a.cu_seqlens.tolist() == b.cu_seqlens.tolist() == [0, 2, 3, 4, 7, 8]
     with pytest.raises(pk.PackingError, match="must run from 0 to B\\*T = 2\\*4 = 8"):
         pk.packing_from_cu_seqlens(torch.tensor([0, 3, 6]), 2, 4)
+    for bad in ([0, 5, -2, 8], [0, 6, 3, 8]):  # a negative or decreasing offset is refused, never wrapped around
+        with pytest.raises(pk.PackingError, match=r"cu_seq_lens_q must not decrease .*got \[" + str(bad[0])):
+            pk.packing_from_cu_seqlens(torch.tensor(bad), 2, 4)
 
 
 def test_chunk_adapter_flattens_rows_and_maps_states():

@@ -196,8 +196,6 @@ def packing_starts(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.T
     cu = cu_seqlens.to(torch.int64)
     total = batch * length
     _check_given_offsets(cu, total, batch, length)
-    if bool(((cu < 0) | (cu > total)).any()):
-        raise PackingError(f"cu_seq_lens_q must lie in [0, B*T = {total}], got {cu.tolist()}")
     flat = torch.zeros(total + 1, dtype=torch.bool, device=cu.device)
     flat[cu] = True  # the end offset marks the extra last slot
     starts = flat[:total].view(batch, length).clone()
@@ -288,6 +286,9 @@ def _check_given_offsets(cu: torch.Tensor, total: int, batch, length) -> None:
     if first != 0 or last != total:
         raise PackingError(f"cu_seq_lens_q must run from 0 to B*T = {batch}*{length} = {total} (offsets on the "
                            f"flattened batch), got {first} ... {last}")
+    if bool((cu[1:] < cu[:-1]).any()):  # (from 0 to B*T and never decreasing: every offset in range)
+        raise PackingError(f"cu_seq_lens_q must not decrease (offsets of consecutive sequences), got "
+                           f"{cu.tolist()}")
 
 
 def packing_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> Packing | None:

@@ -192,7 +192,14 @@ def fused_loss_blocker(model, kwargs: dict, skip_logits: bool | None = None) -> 
         return f"logits_to_keep={keep!r}"
     if "_loss_function" in vars(model) or model.loss_function is not _stock_causal_lm_loss():
         return "the model has a custom loss function"
+    if torch.compiler.is_compiling() and _TORCH < (2, 13):
+        # the fused route lends the head an instance forward for one call; torch < 2.13's dynamo traces the
+        # class forward instead, and would hand the logits to the fused loss as hidden states
+        return "torch.compile on torch < 2.13 (the fused loss needs torch >= 2.13 inside a compiled graph)"
     return None
+
+
+_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def _flag(name: str, value, allow_none: bool):

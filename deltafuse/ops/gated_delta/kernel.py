@@ -13,15 +13,19 @@ It is evaluated over chunks of ``BT = 64`` tokens (the WY / UT-transform form). 
     o  = scale ((q exp(gc)) h + lower_incl(q k^T o D) v')
     h_next = exp(gc_last) h + (k exp(gc_last - gc))^T v'
 
-Kernels (grid axes in brackets; the first three in ``kernel_fwd.py``, the others in ``kernel_bwd.py``):
+Kernels (grid axes in brackets; the first three in ``kernel_fwd.py``, ``_out_fwd`` in ``kernel_out.py``, the
+others in ``kernel_bwd.py``):
 
 * ``_l2norm_rstd`` [token block, q/k head]: the l2norm factors rsqrt(|x|^2 + eps) of q and k rows. The
   other kernels read q and k as given and apply these factors to their products, so normalised rows are
   never rounded to 16 bits or stored.
 * ``_intra_fwd``   [chunk, value head]: gc, A, T, w, u (and T itself for the backward).
 * ``_state_fwd``   [V block x sequence x value head, one axis]: the sequential pass over chunks with the state in
-  fp32 registers; in the forward it also writes o, in the backward it stores the chunk-start states
-  (``hs``) and v'.
+  fp32 registers; stores the chunk-start states (``hs``) and v' (the forward writes v' over u), and the final
+  state. The forward and the backward's recompute both run it.
+* ``_out_fwd``     [V block x value head x chunk, one axis]: the output, every chunk at once from the stored
+  ``hs`` and v': o = scale ((q exp(gc)) h + lower_incl(q k^T o D) v'). The forward frees ``hs`` and v'
+  once o is written; nothing but the inputs is kept for the backward.
 * ``_dv_local``    [chunk, value head]: the intra-chunk part of dv', scale lower_incl(q k^T o D)^T do.
 * ``_state_bwd``   [V block x sequence x value head, one axis]: the reverse pass; stores the gradient of the
   state at every chunk end (``dhs``), the full gradient of v' (``dvn``) and the initial-state gradient.
@@ -55,6 +59,7 @@ from deltafuse.config import triton_interpreting
 from deltafuse.ops._checks import host_offsets
 from deltafuse.ops.gated_delta.kernel_bwd import _bwd_out, _bwd_wy, _dv_local, _state_bwd
 from deltafuse.ops.gated_delta.kernel_fwd import _intra_fwd, _l2norm_rstd, _state_fwd
+from deltafuse.ops.gated_delta.kernel_out import _out_fwd
 
 BT = 64  # chunk length; the in-chunk inverse (kernel_fwd._unit_lower_inverse) is written for 4 blocks of 16
 
@@ -110,6 +115,10 @@ def _plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device)
     return plan
 
 
+# product modes (kernel_fwd._dot_m): "tf32" one fp32 product, "16" the fp32 operand rounded to 16 bits, "x2" split
+_PROD_MODES = {"tf32": 0, "16": 1, "x2": 2}
+
+
 @dataclass(frozen=True)
 class ChunkOptions:
     """Tunables of the chunked kernels on a GPU (the interpreter uses its own small fixed tiles).
@@ -117,8 +126,19 @@ class ChunkOptions:
     ``*_store``: dtype of the stored per-token / per-chunk intermediates (w, u, v', chunk states and their
     gradients): "input" (the inputs' 16-bit dtype) or "fp32". ``*_x2``: products of an fp32 operand with a
     16-bit one split the fp32 operand into two 16-bit parts (about 16 mantissa bits) instead of rounding it
-    to 16 bits or using tf32. fp32 inputs always use fp32 storage and three-pass tf32 products.
+    to 16 bits or using tf32 (``fwd_x2``: in the forward's intra kernel; its later kernels take
+    ``fwd_prod_*`` below). fp32 inputs always use fp32 storage and three-pass tf32 products.
     ``bv_<kernel>`` / ``warps_<kernel>``: value-tile width and warps per kernel; ``stages``: pipeline stages.
+
+    Forward kernels (the forward's sequential pass ``hfwd`` and its output kernel ``out``; the backward's
+    recompute of the sequential pass keeps ``bv_state`` / ``warps_state``): ``fwd_prod_<p>``: how a product of
+    a 16-bit operand with an fp32 one is computed: "x2" (the fp32 operand split into two 16-bit parts), "16"
+    (rounded to 16 bits, one product) or "tf32" (one tf32 product); p is ``wh`` (w times the state, for v'),
+    ``kv`` (k^T times the decayed v', the state update), ``qh`` (q times the stored state, when states are
+    stored in fp32: 16-bit states make it exact) and ``sv`` (the in-chunk scores times v'). With fp32 inputs
+    (or an fp32-stored operand) every product is an fp32 one. ``bk_out``: K block of the output kernel;
+    ``stages_<kernel>``: its pipeline stages. In the interpreter warps and stages are 1 and tile widths are
+    capped at the head size.
     """
 
     fwd_store: str = "input"
@@ -136,18 +156,34 @@ class ChunkOptions:
     bv_bo: int = 32
     warps_bo: int = 8
     stages: int = 2
+    # forward kernels
+    fwd_prod_wh: str = "x2"
+    fwd_prod_kv: str = "x2"
+    fwd_prod_qh: str = "x2"
+    fwd_prod_sv: str = "x2"
+    bv_hfwd: int = 32
+    warps_hfwd: int = 8
+    stages_hfwd: int = 2
+    bv_out: int = 64
+    bk_out: int = 64
+    warps_out: int = 4
+    stages_out: int = 2
 
     def __post_init__(self):
         for name in ("fwd_store", "bwd_store"):
             if getattr(self, name) not in ("input", "fp32"):
                 raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: 'input', 'fp32'")
+        for name in ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv"):
+            if getattr(self, name) not in _PROD_MODES:
+                raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: "
+                                 + ", ".join(repr(m) for m in _PROD_MODES))
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type != "int":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ChunkOptions.{f.name}={value!r}; allowed: an int >= 1")
-            if f.name != "stages" and value & (value - 1):
+            if not f.name.startswith("stages") and value & (value - 1):
                 raise ValueError(f"ChunkOptions.{f.name}={value!r}; allowed: a power of two (a tile width or a "
                                  "warp count)")
 
@@ -235,21 +271,60 @@ def _prepare(k, rk, v, g, beta, plan, cfg, L2, store_t):
     return gc, w, u, tinv
 
 
+class _FwdCfg:
+    """Tiles, warps, stages and product modes of the forward's sequential pass and output kernel."""
+
+    def __init__(self, cfg: _Cfg, full: bool, K: int, V: int):
+        interp = _interpreting()
+        opts = _in_effect[0]
+        vmax = max(16, triton.next_power_of_2(V))
+        # the interpreter honours the tile widths (capped at the head size) so that tests reach every tiling
+        self.bv_state = min(vmax, opts.bv_hfwd)
+        self.bv_out = min(vmax, opts.bv_out)
+        self.bk_out = min(cfg.BK, opts.bk_out)
+        # head sizes under 64: 2 warps at most (see _Cfg)
+        small = min(cfg.BK, vmax) < 64
+        self.nw_state = 1 if interp else (min(2, opts.warps_hfwd) if small else opts.warps_hfwd)
+        self.nw_out = 1 if interp else (min(2, opts.warps_out) if small else opts.warps_out)
+        self.stages_state = 1 if interp else opts.stages_hfwd
+        self.stages_out = 1 if interp else opts.stages_out
+        mode = {n: 0 if full else _PROD_MODES[getattr(opts, "fwd_prod_" + n)] for n in ("wh", "kv", "qh", "sv")}
+        self.WH, self.KV, self.QH, self.SV = mode["wh"], mode["kv"], mode["qh"], mode["sv"]
+
+
+def _output(q, k, rq, rk, gc, hs, vn, o, plan, scale, cfg, fc, L2):
+    """o = scale ((q rq exp(gc)) h + lower_incl(q k^T rq rk D) v') for every chunk, written into ``o``."""
+    TT, H, K = q.shape
+    HV, V = vn.shape[-2:]
+    if plan.NC:
+        _out_fwd[(plan.NC * HV * triton.cdiv(V, fc.bv_out),)](
+            q, k, rq if L2 else gc, rk if L2 else gc, gc, hs, vn, o, plan.chunks, scale, H=H, HV=HV, K=K, V=V,
+            BK=fc.bk_out, BV=fc.bv_out, L2=L2, QH=fc.QH, SV=fc.SV, PREC=cfg.PREC, DT=cfg.DT,
+            num_warps=fc.nw_out, num_stages=fc.stages_out)
+    _mark("out")
+    return o
+
+
 def _forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan):
     TT, H, K = q.shape
     HV, V = v.shape[-2:]
     cfg = _Cfg(q.dtype, K, V, "fwd")
+    fc = _FwdCfg(cfg, q.dtype == torch.float32, K, V)
     rq, rk = _rstd(q, k, L2)
     gc, w, u, _ = _prepare(k, rk, v, g, beta, plan, cfg, L2, False)
-    o = torch.empty(TT, HV, V, device=q.device, dtype=q.dtype)
+    hs = torch.empty(max(plan.NC, 1), HV, K, V, device=q.device, dtype=cfg.store)
     ht = torch.empty(plan.N, HV, K, V, device=q.device, dtype=torch.float32) if want_ht else None
-    grid = (triton.cdiv(V, cfg.bv["state"]) * plan.N * HV,)
-    _state_fwd[grid](q, k, rq if L2 else gc, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, gc, gc, o,
-                     ht if want_ht else gc, plan.cu, plan.coff, scale, H=H, HV=HV, K=K, V=V, BK=cfg.BK,
-                     BV=cfg.bv["state"], L2=L2, HAS_H0=h0 is not None, STORE_HS=False, WRITE_O=True,
-                     STORE_HT=want_ht, X2=cfg.X2, PREC=cfg.PREC, DT=cfg.DT, num_warps=cfg.nw["state"],
-                     num_stages=cfg.stages_state)
-    _mark("state_out")
+    # v' is written over u (same dtype and layout; each program reads its u tile before writing it)
+    _state_fwd[(triton.cdiv(V, fc.bv_state) * plan.N * HV,)](
+        k, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, hs, u, ht if want_ht else gc, plan.cu,
+        plan.coff, H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=fc.bv_state, L2=L2, HAS_H0=h0 is not None,
+        STORE_HT=want_ht, WH=fc.WH, KV=fc.KV, PREC=cfg.PREC, DT=cfg.DT, num_warps=fc.nw_state,
+        num_stages=fc.stages_state)
+    _mark("state")
+    del w
+    o = _output(q, k, rq, rk, gc, hs, u, torch.empty(TT, HV, V, device=q.device, dtype=q.dtype), plan, scale,
+                cfg, fc, L2)
+    del hs, u  # the chunk states and v' go as soon as o is written; the backward recomputes them
     return o, ht
 
 
@@ -265,9 +340,11 @@ def _backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0):
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
     vn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
     grid = (triton.cdiv(V, cfg.bv["state"]) * plan.N * HV,)
-    _state_fwd[grid](q, k, rq, rk, w, u, gc, h0 if h0 is not None else gc, hs, vn, gc, gc, plan.cu, plan.coff,
-                     scale, BV=cfg.bv["state"], HAS_H0=h0 is not None, STORE_HS=True, WRITE_O=False,
-                     STORE_HT=False, **common, num_warps=cfg.nw["state"], num_stages=cfg.stages_state)
+    xm = _PROD_MODES["x2"] if cfg.X2 else _PROD_MODES["tf32"]
+    _state_fwd[grid](k, rk, w, u, gc, h0 if h0 is not None else gc, hs, vn, gc, plan.cu, plan.coff,
+                     BV=cfg.bv["state"], HAS_H0=h0 is not None, STORE_HT=False, WH=xm, KV=xm,
+                     **{n: x for n, x in common.items() if n != "X2"}, num_warps=cfg.nw["state"],
+                     num_stages=cfg.stages_state)
     _mark("state_fwd")
     del u
     dvl = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)

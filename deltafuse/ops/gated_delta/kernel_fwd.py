@@ -81,6 +81,44 @@ def _dot_xa(a, b, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
         return tl.dot(a, b.to(tl.float32), input_precision=PREC)
 
 
+# product modes of a 16-bit operand with an fp32 one (ChunkOptions' "tf32" / "16" / "x2"); kernel.py maps the
+# option strings to these numbers
+MODE_FP32 = tl.constexpr(0)
+MODE_16 = tl.constexpr(1)
+MODE_X2 = tl.constexpr(2)
+
+
+@triton.jit
+def _dot_m(a, b, acc, MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """acc + a @ b for ``a`` exact in DT (a loaded input or stored value) and fp32 ``b``, by product mode.
+
+    MODE 2 (x2): ``b`` split into two DT parts (hi + lo), two 16-bit tensor-core products (about 16 mantissa
+    bits of ``b`` kept). MODE 1 (16): ``b`` rounded to DT, one 16-bit product. MODE 0, or ``a`` in fp32: one
+    fp32 product at precision PREC.
+    """
+    if MODE == 2 and a.dtype != tl.float32:
+        bh = b.to(DT)
+        bl = (b - bh.to(tl.float32)).to(DT)
+        return tl.dot(a, bl, acc=tl.dot(a, bh, acc=acc))
+    elif MODE == 1 and a.dtype != tl.float32:
+        return tl.dot(a, b.to(DT), acc=acc)
+    else:
+        return tl.dot(a.to(tl.float32), b, acc=acc, input_precision=PREC)
+
+
+@triton.jit
+def _dot_ma(a, b, acc, MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """acc + a @ b for fp32 ``a`` and ``b`` exact in DT (the mirror of _dot_m)."""
+    if MODE == 2 and b.dtype != tl.float32:
+        ah = a.to(DT)
+        al = (a - ah.to(tl.float32)).to(DT)
+        return tl.dot(al, b, acc=tl.dot(ah, b, acc=acc))
+    elif MODE == 1 and b.dtype != tl.float32:
+        return tl.dot(a.to(DT), b, acc=acc)
+    else:
+        return tl.dot(a, b.to(tl.float32), acc=acc, input_precision=PREC)
+
+
 @triton.jit
 def _rows(r_ptr, tok, H: tl.constexpr, h, valid, L2: tl.constexpr):
     """Per-row l2norm factors rsqrt(|x|^2 + eps) of q or k (ones when the l2norm is off)."""
@@ -152,14 +190,13 @@ def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv
 
 
 @triton.jit
-def _state_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_ptr, vn_ptr, o_ptr, ht_ptr,
-               cu_ptr, coff_ptr, scale,
+def _state_fwd(k_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-               HAS_H0: tl.constexpr, STORE_HS: tl.constexpr, WRITE_O: tl.constexpr, STORE_HT: tl.constexpr,
-               X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """The sequential pass over chunks. WRITE_O: also the output of each chunk, from the fp32 state in
-    registers (forward). STORE_HS: store the state at each chunk start and v' (backward recompute)."""
+               BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+               WH: tl.constexpr, KV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """The sequential pass over chunks, the state in fp32 registers: stores the state at each chunk start (hs)
+    and v' = u - w h (vn; ``vn_ptr`` may be ``u_ptr``: each program reads its u tile before it writes the same
+    elements). WH / KV: product modes (_dot_m) of w h and of k^T (decayed v')."""
     # one grid axis, V blocks fastest (the order of the former [V block, sequence x head] grid): a second
     # axis is limited to 65,535 programs, fewer than sequences x heads of a row of many short sequences
     pid = tl.program_id(0)
@@ -184,32 +221,23 @@ def _state_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_pt
         start = bos + i * 64
         tok = start + rows
         valid = tok < eos
-        if STORE_HS:
-            tl.store(hs_ptr + ((coff + i) * HV + hv) * (K * V) + state_off, st.to(hs_ptr.dtype.element_ty), mask=mkv)
+        tl.store(hs_ptr + ((coff + i) * HV + hv) * (K * V) + state_off, st.to(hs_ptr.dtype.element_ty), mask=mkv)
         mk = valid[:, None] & (ck[None, :] < K)
         mv = valid[:, None] & (cv[None, :] < V)
         tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
         w = tl.load(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)
         u = tl.load(u_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
-        vn = u - _dot_x(w, st, X2, PREC, DT)
-        if STORE_HS:
-            tl.store(vn_ptr + tv_off, vn.to(vn_ptr.dtype.element_ty), mask=mv)
-        k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+        vn = u - _dot_m(w, st, tl.zeros([64, BV], dtype=tl.float32), WH, PREC, DT)
+        tl.store(vn_ptr + tv_off, vn.to(vn_ptr.dtype.element_ty), mask=mv)
+        # k transposed on load (no tl.trans of a tile)
+        kt = tl.load(k_ptr + tok[None, :] * (H * K) + h * K + ck[:, None], mask=(ck[:, None] < K) & valid[None, :],
+                     other=0.0)
         rk = _rows(rk_ptr, tok, H, h, valid, L2)
         gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
         last = tl.minimum(start + 63, eos - 1)
         gl = tl.load(gc_ptr + last * HV + hv)
-        if WRITE_O:
-            q = tl.load(q_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
-            rq = _rows(rq_ptr, tok, H, h, valid, L2)
-            eg = tl.where(valid, tl.exp(gc), 0.0)
-            o = _dot_x(q, st, X2, PREC, DT) * (rq * eg)[:, None]
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * _chunk_decay(gc, valid, False)
-            s = s * rq[:, None] * rk[None, :]
-            o += tl.dot(s, vn, input_precision=PREC)
-            tl.store(o_ptr + tv_off, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
         # h_next = exp(gl) h + k^T diag(rk exp(gl - gc)) v'
         vd = vn * (rk * tl.where(valid, tl.exp(gl - gc), 0.0))[:, None]
-        st = st * tl.exp(gl) + _dot_x(tl.trans(k), vd, X2, PREC, DT)
+        st = _dot_m(kt, vd, st * tl.exp(gl), KV, PREC, DT)
     if STORE_HT:
         tl.store(ht_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, st, mask=mkv)

@@ -267,3 +267,228 @@ def test_recurrent_bf16_gpu(T, cu, K, V):
 def test_recurrent_large_decode_batch_gpu():
     """2,100 sequences x 32 value heads: more programs than a second grid axis holds."""
     _check_recurrent(2100, 1, 4, 32, 16, 16, dtype=torch.bfloat16, tol=3e-3)
+
+
+# forward v2
+# ------------------------------------------------------------------------------------------------
+# the forward as sequential state pass (chunk states and v' stored) + parallel output kernel, and the
+# forward's ChunkOptions fields
+# ------------------------------------------------------------------------------------------------
+
+
+def check_forward(B, T, H, HV, K, V, *, dtype, tol, options=None, h0=True, cu=None, l2=True, with_final=True,
+                  seed=None):
+    """Forward only (o and the final state) against the float64 oracle, under ``options``."""
+    xs, cu_t = make_inputs(B, T, H, HV, K, V, dtype=dtype, h0=h0, cu=cu, l2=l2, seed=seed)
+    with torch.no_grad(), chunk_mod.configured(options):
+        o, ht = chunk_gated_delta_rule_triton(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], K**-0.5,
+                                              xs.get("initial_state"), with_final, l2, cu_t)
+    ref = {n: x.double() for n, x in xs.items()}
+    ro, rht = naive_gated_delta_rule(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], K**-0.5,
+                                     ref.get("initial_state"), with_final, l2, cu_t)
+    assert o.dtype == dtype and o.shape == ro.shape and torch.isfinite(o).all()
+    errs = {"o": (rel_rms(o, ro), rel_max(o, ro))}
+    if with_final:
+        assert ht.dtype == torch.float32 and ht.shape == rht.shape and torch.isfinite(ht).all()
+        errs["ht"] = (rel_rms(ht, rht), rel_max(ht, rht))
+    else:
+        assert ht is None
+    for n, (e, m) in errs.items():
+        assert e <= tol and m <= 20 * tol, f"{n}: rel rms {e:.2e} (max {m:.2e}) over {tol:.0e}"
+    return {n: e for n, (e, _) in errs.items()}
+
+
+FWD_CASES = [
+    # sequences of lengths 1, 63, 64, 65 in one packed row, grouped heads, initial state
+    ("varlen_1_63_64_65", (1, 193, 1, 2, 16, 16), dict(h0=True, l2=True, cu=[0, 1, 64, 128, 193])),
+    ("B2_gqa_nol2_noh0", (2, 70, 1, 2, 16, 16), dict(h0=False, l2=False)),
+    ("K32_V32_nofinal", (1, 65, 2, 4, 32, 32), dict(h0=True, l2=True, with_final=False)),
+]
+
+
+@pytest.mark.parametrize("shape,opts", [c[1:] for c in FWD_CASES], ids=[c[0] for c in FWD_CASES])
+def test_fwd_v2_fp32(shape, opts):
+    check_forward(*shape, dtype=torch.float32, tol=FP32_TOL, **opts)
+
+
+@pytest.mark.parametrize("options", [
+    # several V blocks in the state pass and the output kernel, two K blocks in the output kernel
+    chunk_mod.ChunkOptions(bv_hfwd=16, bv_out=16, bk_out=16),
+    # one V block in the state pass, two in the output kernel, one K block
+    chunk_mod.ChunkOptions(bv_hfwd=64, bv_out=16, bk_out=64, warps_hfwd=2, warps_out=8, stages_hfwd=3,
+                           stages_out=1),
+], ids=["small_tiles", "mixed_tiles"])
+def test_fwd_v2_tilings(options):
+    """K = V = 32 with tiles of 16 and 32: every element of o and of the final state is written, whatever the
+    tiling (grouped heads, lengths 1, 64 and 65, initial state)."""
+    check_forward(1, 130, 1, 2, 32, 32, dtype=torch.float32, tol=FP32_TOL, options=options, cu=[0, 1, 65, 130])
+
+
+def _state_reference(k, rk, w, u, gc, h0, bounds):
+    """The sequential pass in float64 from the kernel's own inputs: chunk-start states, v', final states."""
+    k, w, u, gc = (k.double() * rk.double()[..., None]), w.double(), u.double(), gc.double()
+    HV, H = u.shape[1], k.shape[1]
+    hs, vn, ht = [], torch.zeros(u.shape, dtype=torch.float64), h0.double().clone()
+    for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for c in range(a, b, 64):
+            e = min(c + 64, b)
+            hs.append(ht[n].clone())
+            for hv in range(HV):
+                st, g = ht[n, hv], gc[c:e, hv]
+                vn[c:e, hv] = u[c:e, hv] - w[c:e, hv] @ st
+                kd = k[c:e, hv // (HV // H)] * torch.exp(g[-1] - g)[:, None]
+                ht[n, hv] = torch.exp(g[-1]) * st + kd.T @ vn[c:e, hv]
+    return torch.stack(hs), vn, ht
+
+
+@pytest.mark.parametrize("wh,kv", [("x2", "x2"), ("tf32", "tf32"), ("16", "x2"), ("x2", "16")])
+def test_fwd_v2_state_pass(wh, kv):
+    """The sequential pass alone (fp16 k and w, fp32 u; chunk states, v' and final states written in fp32 into
+    NaN-filled buffers) against its recurrence in float64 on the same inputs: "x2" / "tf32" products are
+    near-exact, "16" costs the 16-bit rounding of the state (w h) or of the decayed v' (k^T v') and no more."""
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    H, HV, K, V = 1, 2, 32, 32
+    bounds = [0, 1, 65, 130]  # lengths 1, 64, 65
+    TT, N = bounds[-1], len(bounds) - 1
+    plan = chunk_mod._Plan(bounds, torch.device("cpu"))
+    k = torch.randn(TT, H, K, generator=gen).half()
+    rk = (torch.rand(TT, H, generator=gen) + 0.5) / K**0.5
+    w = (torch.randn(TT, HV, K, generator=gen) / K**0.5).half()
+    u = torch.randn(TT, HV, V, generator=gen)
+    h0 = torch.randn(N, HV, K, V, generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(TT, HV, generator=gen))
+    gc = torch.empty(TT, HV)
+    for _, a, b in plan.chunks.view(-1, 3).tolist():
+        gc[a:b] = torch.cumsum(g[a:b], 0)
+    hs = torch.full((plan.NC, HV, K, V), float("nan"))
+    vn = torch.full((TT, HV, V), float("nan"))
+    ht = torch.full((N, HV, K, V), float("nan"))
+    with chunk_mod.configured(chunk_mod.ChunkOptions(fwd_prod_wh=wh, fwd_prod_kv=kv, bv_hfwd=16)):
+        cfg = chunk_mod._Cfg(torch.float16, K, V, "fwd")
+        fc = chunk_mod._FwdCfg(cfg, False, K, V)
+        chunk_mod._state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, True)
+    rhs, rvn, rht = _state_reference(k, rk, w, u, gc, h0, bounds)
+    errs = {n: rel_rms(a, b) for n, a, b in (("hs", hs, rhs), ("vn", vn, rvn), ("ht", ht, rht))}
+    print(f"state pass wh={wh} kv={kv}:", errs)
+    for n, a, b in (("hs", hs, rhs), ("vn", vn, rvn), ("ht", ht, rht)):
+        assert torch.isfinite(a).all(), n
+        assert rel_max(a, b) <= 20 * max(errs[n], 1e-6), n
+    if "16" not in (wh, kv):
+        assert max(errs.values()) <= 1e-6, errs
+    else:
+        # rounding the state shows first in v' (wh), rounding the decayed v' in the states (kv); about 1e-4
+        assert max(errs.values()) <= 2e-3, errs
+        assert errs["vn" if wh == "16" else "ht"] >= 3e-5, errs
+
+
+def _out_reference(q, k, rq, rk, gc, hs, vn, chunks, scale):
+    """The output formula in float64, chunk by chunk, from the kernel's own inputs."""
+    q, k, gc, hs, vn = q.double(), k.double(), gc.double(), hs.double(), vn.double()
+    q, k = q * rq.double()[..., None], k * rk.double()[..., None]
+    HV, H = vn.shape[1], q.shape[1]
+    o = torch.zeros(vn.shape, dtype=torch.float64)
+    for c, (_, a, b) in enumerate(chunks.view(-1, 3).tolist()):
+        for hv in range(HV):
+            h = hv // (HV // H)
+            qc, kc, g = q[a:b, h], k[a:b, h], gc[a:b, hv]
+            d = torch.tril(torch.exp(g[:, None] - g[None, :]))
+            o[a:b, hv] = scale * ((qc * torch.exp(g)[:, None]) @ hs[c, hv] + ((qc @ kc.T) * d) @ vn[a:b, hv])
+    return o
+
+
+OUT_CASES = [(torch.float32, "x2", "x2"), (torch.float32, "tf32", "x2"), (torch.float32, "16", "x2"),
+             (torch.float16, "x2", "x2"), (torch.float16, "x2", "tf32"), (torch.float16, "x2", "16")]
+
+
+@pytest.mark.parametrize("store,qh,sv", OUT_CASES, ids=[f"{str(c[0])[6:]}-qh_{c[1]}-sv_{c[2]}" for c in OUT_CASES])
+def test_fwd_v2_output_kernel(store, qh, sv):
+    """The output kernel alone (fp16 q/k, fp32 output buffer filled with NaN) against its formula in float64 on
+    the same stored states and v': "x2" / "tf32" products are near-exact, "16" costs the 16-bit rounding of the
+    fp32 operand (q h with fp32 states; the scores with 16-bit v') and no more."""
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    H, HV, K, V = 1, 2, 32, 32
+    bounds = [0, 1, 65, 130]
+    TT = bounds[-1]
+    plan = chunk_mod._Plan(bounds, torch.device("cpu"))
+    q = torch.randn(TT, H, K, generator=gen).half()
+    k = torch.randn(TT, H, K, generator=gen).half()
+    rq = torch.rand(TT, H, generator=gen) + 0.05
+    rk = torch.rand(TT, H, generator=gen) + 0.05
+    g = -torch.nn.functional.softplus(torch.randn(TT, HV, generator=gen))
+    gc = torch.empty(TT, HV)
+    for _, a, b in plan.chunks.view(-1, 3).tolist():
+        gc[a:b] = torch.cumsum(g[a:b], 0)
+    hs = torch.randn(plan.NC, HV, K, V, generator=gen).to(store)
+    vn = torch.randn(TT, HV, V, generator=gen).to(store)
+    o = torch.full((TT, HV, V), float("nan"))
+    opts = chunk_mod.ChunkOptions(fwd_prod_qh=qh, fwd_prod_sv=sv, bv_out=16, bk_out=16)
+    with chunk_mod.configured(opts):
+        cfg = chunk_mod._Cfg(torch.float16, K, V, "fwd")
+        fc = chunk_mod._FwdCfg(cfg, False, K, V)
+        chunk_mod._output(q, k, rq, rk, gc, hs, vn, o, plan, 0.3, cfg, fc, True)
+    ref = _out_reference(q, k, rq, rk, gc, hs, vn, plan.chunks, 0.3)
+    assert torch.isfinite(o).all()
+    err = rel_rms(o, ref)
+    print(f"output kernel {store} qh={qh} sv={sv}: o rel rms {err:.2e}")
+    rounded = "16" in ((qh,) if store == torch.float32 else (sv,))
+    if rounded:
+        assert 1e-5 <= err <= 1e-3, err
+    else:
+        assert err <= 2e-6 and rel_max(o, ref) <= 2e-5, err
+
+
+@pytest.mark.parametrize("over", [dict(), dict(fwd_prod_wh="16", fwd_prod_kv="16", fwd_prod_sv="16")],
+                         ids=["defaults", "all_16"])
+def test_fwd_v2_fp16(over):
+    """The whole forward with 16-bit inputs and intermediates (the interpreter's stand-in for bf16)."""
+    errs = check_forward(1, 130, 1, 2, 32, 32, dtype=torch.float16, tol=2e-3,
+                         options=chunk_mod.ChunkOptions(**over), cu=[0, 1, 65, 130])
+    print("fp16 forward", over, errs)
+
+
+def test_fwd_v2_options_are_validated():
+    with pytest.raises(ValueError, match="fwd_prod_sv='bf16'; allowed: 'tf32', '16', 'x2'"):
+        chunk_mod.ChunkOptions(fwd_prod_sv="bf16")
+    with pytest.raises(ValueError, match="bv_out=48; allowed: a power of two"):
+        chunk_mod.ChunkOptions(bv_out=48)
+    with pytest.raises(ValueError, match="stages_out=0; allowed: an int >= 1"):
+        chunk_mod.ChunkOptions(stages_out=0)
+    assert chunk_mod.ChunkOptions(stages_hfwd=3, stages_out=3).stages_hfwd == 3
+
+
+def test_fwd_v2_keeps_only_the_inputs():
+    """Nothing of the forward's intermediates (chunk states, v') is kept for the backward."""
+    xs, _ = make_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32, h0=True, seed=11)
+    ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
+    o, _ = chunk_gated_delta_rule_triton(ours["q"], ours["k"], ours["v"], ours["g"], ours["beta"], 0.25,
+                                         ours["initial_state"], False, True)
+    saved = o.grad_fn.saved_tensors
+    assert len(saved) == 6
+    assert [tuple(t.shape) for t in saved] == [(70, 1, 16), (70, 1, 16), (70, 2, 16), (70, 2), (70, 2), (1, 2, 16, 16)]
+
+
+FWD_GPU_OPTIONS = [
+    dict(),
+    dict(fwd_prod_wh="16", fwd_prod_kv="16", fwd_prod_sv="16"),
+    dict(fwd_prod_wh="16"),
+    dict(fwd_prod_kv="16"),
+    dict(fwd_prod_sv="16"),
+    dict(fwd_store="fp32", fwd_prod_qh="16"),
+    dict(bv_hfwd=64, warps_hfwd=4, stages_hfwd=3),
+    dict(bv_hfwd=16, warps_hfwd=4, stages_hfwd=1),
+    dict(bv_hfwd=32, warps_hfwd=2, stages_hfwd=4),
+    dict(bv_out=128, bk_out=128, warps_out=8, stages_out=3),
+    dict(bv_out=32, bk_out=32, warps_out=2, stages_out=1),
+    dict(bv_out=64, bk_out=128, warps_out=4, stages_out=2),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("over", FWD_GPU_OPTIONS, ids=[",".join(f"{k}={v}" for k, v in o.items()) or "defaults"
+                                                        for o in FWD_GPU_OPTIONS])
+@pytest.mark.parametrize("K,V", [(128, 128), (16, 16), (64, 32)])
+def test_fwd_v2_options_bf16_gpu(over, K, V):
+    """Every forward configuration a GPU sweep may pick, compiled for the GPU, against the float64 oracle."""
+    check_forward(1, 1000, 4, 8, K, V, dtype=torch.bfloat16, tol=3e-3, options=chunk_mod.ChunkOptions(**over),
+                  cu=[0, 1, 64, 65, 300, 301, 1000])

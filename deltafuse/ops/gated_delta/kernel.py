@@ -292,6 +292,19 @@ class _FwdCfg:
         self.WH, self.KV, self.QH, self.SV = mode["wh"], mode["kv"], mode["qh"], mode["sv"]
 
 
+def _state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, L2):
+    """The forward's sequential pass: chunk-start states into ``hs``, v' into ``vn``, the final state into ``ht``
+    (when not None)."""
+    TT, H, K = k.shape
+    HV, V = u.shape[-2:]
+    _state_fwd[(triton.cdiv(V, fc.bv_state) * plan.N * HV,)](
+        k, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, hs, vn, ht if ht is not None else gc, plan.cu,
+        plan.coff, H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=fc.bv_state, L2=L2, HAS_H0=h0 is not None,
+        STORE_HT=ht is not None, WH=fc.WH, KV=fc.KV, PREC=cfg.PREC, DT=cfg.DT, num_warps=fc.nw_state,
+        num_stages=fc.stages_state)
+    _mark("state")
+
+
 def _output(q, k, rq, rk, gc, hs, vn, o, plan, scale, cfg, fc, L2):
     """o = scale ((q rq exp(gc)) h + lower_incl(q k^T rq rk D) v') for every chunk, written into ``o``."""
     TT, H, K = q.shape
@@ -315,12 +328,7 @@ def _forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan):
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=q.device, dtype=cfg.store)
     ht = torch.empty(plan.N, HV, K, V, device=q.device, dtype=torch.float32) if want_ht else None
     # v' is written over u (same dtype and layout; each program reads its u tile before writing it)
-    _state_fwd[(triton.cdiv(V, fc.bv_state) * plan.N * HV,)](
-        k, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, hs, u, ht if want_ht else gc, plan.cu,
-        plan.coff, H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=fc.bv_state, L2=L2, HAS_H0=h0 is not None,
-        STORE_HT=want_ht, WH=fc.WH, KV=fc.KV, PREC=cfg.PREC, DT=cfg.DT, num_warps=fc.nw_state,
-        num_stages=fc.stages_state)
-    _mark("state")
+    _state_pass(k, rk, w, u, gc, h0, hs, u, ht, plan, cfg, fc, L2)
     del w
     o = _output(q, k, rq, rk, gc, hs, u, torch.empty(TT, HV, V, device=q.device, dtype=q.dtype), plan, scale,
                 cfg, fc, L2)

@@ -25,9 +25,18 @@ Kernels (grid axes in brackets; the first three in ``kernel_fwd.py``, the others
 * ``_dv_local``    [chunk, value head]: the intra-chunk part of dv', scale lower_incl(q k^T o D)^T do.
 * ``_state_bwd``   [V block x sequence x value head, one axis]: the reverse pass; stores the gradient of the
   state at every chunk end (``dhs``), the full gradient of v' (``dvn``) and the initial-state gradient.
-* ``_bwd_wy``      [chunk, value head]: back through w, u and T (dv, dbeta, WY parts of dk and dg).
-* ``_bwd_out``     [chunk, q/k head]: the output and state parts of dq, dk, dg; sums the value heads
-  that share the q/k head (no repeated q/k is ever materialised), then goes back through the l2norm.
+* ``_bwd_wy``      [chunk x value head, one axis]: back through w, u and T (dv, dbeta, the WY part of dg);
+  writes the WY part of dk as the start of the value head's dk partial.
+* ``_bwd_out``     [chunk x value head, one axis]: the output and state parts of dq, dk and all of dg for one
+  value head; writes its dq partial and adds its dk terms to the dk partial (per-value-head buffers
+  [tokens, HV, K], fp32 or 16-bit: ``ChunkOptions.bwd_partials``). With one value head per q/k head it
+  finishes dq and dk itself. No repeated q/k is ever materialised.
+* ``_bwd_reduce``  [token block, q/k head]: sums the partials of the value heads that share a q/k head, goes
+  back through the l2norm and casts.
+
+No kernel uses a transposed computed tile as a dot operand (a Triton-on-Hopper miscompile hazard): transposed
+inputs are loaded with swapped strides, and a product with a transposed computed tile is formed as the
+transpose of the product of the transposed loaded operand with that tile.
 
 Products of a 16-bit operand (inputs, stored intermediates) with an fp32 one split the fp32 operand into
 two 16-bit parts, so 16-bit tensor cores give close to fp32 accuracy without fp32 copies of the large

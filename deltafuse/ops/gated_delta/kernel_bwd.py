@@ -244,12 +244,6 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
     mk = valid[:, None] & (ck[None, :] < K)
     qk_off = tok[:, None] * (H * K) + h * K + ck[None, :]
     part_off = tok[:, None] * (HV * K) + hv * K + ck[None, :]
-    q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
-    k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
-    rq = _rows(rq_ptr, tok, H, h, valid, L2)
-    rk = _rows(rk_ptr, tok, H, h, valid, L2)
-    gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
-    gl = tl.load(gc_ptr + (start + last_row) * HV + hv)
     dqi = tl.zeros([64, BK], dtype=tl.float32)
     dkh = tl.zeros([64, BK], dtype=tl.float32)
     ds = tl.zeros([64, 64], dtype=tl.float32)
@@ -268,6 +262,13 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
         ds += tl.dot(do, tl.trans(vn), input_precision=PREC)
         dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
         dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
+    # q, k and the per-row factors are loaded after the loop: they are not held in registers across it
+    q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
+    k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
+    rq = _rows(rq_ptr, tok, H, h, valid, L2)
+    rk = _rows(rk_ptr, tok, H, h, valid, L2)
+    gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
+    gl = tl.load(gc_ptr + (start + last_row) * HV + hv)
     eg = tl.where(valid, tl.exp(gc), 0.0)
     egl = tl.where(valid, tl.exp(gl - gc), 0.0)
     dsd = ds * _chunk_decay(gc, valid, False) * scale

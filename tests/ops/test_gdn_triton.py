@@ -310,9 +310,9 @@ V2_SWITCHES = [
 
 @pytest.mark.parametrize("G,l2", [(2, True), (1, False)], ids=["G2_l2", "G1_nol2"])
 def test_bwd_v2_switches_fp16(G, l2):
-    """Every value of each backward switch (split is the default), on fp16 inputs: every gradient within 2e-3 of float64 (the default options land at
-    2e-4 to 5e-4 here), and dk (which every switch reaches) not bit-equal to the default's, so the switch took
-    effect."""
+    """Every value of each backward switch ("split" products and fp32 partials are the defaults), on fp16
+    inputs: every gradient within 2e-3 of float64 (the defaults land at 2e-4 to 5e-4 here), and dk (which every
+    switch reaches) not bit-equal to the default's, so the switch took effect."""
     H = 1 if G == 2 else 2
     cu = [0, 1, 70]
     xs, cu_t = make_inputs(1, 70, H, H * G, 16, 16, dtype=torch.float16, h0=True, cu=cu, l2=l2)

@@ -285,6 +285,14 @@ V2_CASES = [
 ]
 
 
+@pytest.mark.parametrize("G", [2, 1])
+def test_bwd_v2_two_pass_fp32(G):
+    """bo_two_pass (dq and dk from two passes over the value blocks) against float64, V spanning two blocks."""
+    with chunk_mod.configured(chunk_mod.ChunkOptions(bo_two_pass=True)):
+        check_chunk(1, 66, 2, 2 * G, 16, 32, dtype=torch.float32, tol_o=FP32_TOL, tol_grad=FP32_TOL,
+                    tol_gb=FP32_TOL, h0=True, l2=G == 2, cu=[0, 1, 66])
+
+
 @pytest.mark.parametrize("shape,opts", [c[1:] for c in V2_CASES], ids=[c[0] for c in V2_CASES])
 def test_bwd_v2_fp32(shape, opts):
     """Every gradient (q, k, v, g, beta, initial state; loss through o and the final state) against float64."""
@@ -304,7 +312,7 @@ def _v2_grads(xs, cu, do, dht, l2, options):
 # split / rounded / fp32 products and 16-bit partials
 V2_SWITCHES = [
     dict(bwd_partials="input", prod_wy="round", prod_bo="round"),
-    dict(prod_wy="tf32", prod_bo="tf32"),
+    dict(prod_wy="tf32", prod_bo="tf32", bo_two_pass=True),
 ]
 
 

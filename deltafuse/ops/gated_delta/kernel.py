@@ -155,10 +155,12 @@ class ChunkOptions:
     # prod_wy / prod_bo: products of a computed fp32 tile with a 16-bit one in _bwd_wy / _bwd_out (16-bit
     # inputs only): "split" (two 16-bit parts), "round" (one 16-bit product), "tf32" (one fp32 product); the
     # other backward kernels follow bwd_x2. _state_bwd has its own tiles (bv_sbwd, warps_sbwd, stages_sbwd);
-    # _bwd_reduce takes bt_red tokens per program.
+    # _bwd_reduce takes bt_red tokens per program. bo_two_pass: _bwd_out makes two passes over the value blocks
+    # (dq, then dk): one [64, K] fp32 accumulator live instead of two, for one more read of v' and h.
     bwd_partials: str = "fp32"
     prod_wy: str = "split"
     prod_bo: str = "split"
+    bo_two_pass: bool = False
     bv_sbwd: int = 32
     warps_sbwd: int = 8
     stages_sbwd: int = 2
@@ -365,8 +367,8 @@ def _backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0):
         dq = dk = gc  # written by _bwd_reduce
         dqp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
     _bwd_out[(plan.NC * HV,)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkp, dqp, dq, dk, dg, plan.chunks, scale,
-                              BV=cfg.bv["bo"], MODE=mode("prod_bo"), **common, num_warps=cfg.nw["bo"],
-                              num_stages=stages(opts.stages_bo))
+                              BV=cfg.bv["bo"], MODE=mode("prod_bo"), TWO_PASS=opts.bo_two_pass, **common,
+                              num_warps=cfg.nw["bo"], num_stages=stages(opts.stages_bo))
     _mark("bwd_out")
     if G > 1:
         del hs, dhs, vn

@@ -222,12 +222,14 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
              dq_ptr, dk_ptr, dg_ptr, chunks_ptr, scale,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-             MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+             MODE: tl.constexpr, TWO_PASS: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Output and state terms of dq, dk and all of dg for one (chunk, value head).
 
     With one value head per q/k head (G = 1) dq and dk are finished here (back through the l2norm, cast).
     Otherwise this value head's dq partial is written to ``dqp`` and its dk terms are added to the WY part
     already in ``dkp``; ``_bwd_reduce`` sums the G partials of each q/k head.
+    TWO_PASS: two passes over the value blocks, the first for dq (reading do, h, v'), the second for dk (reading
+    v', dh, h again), so one [64, BK] fp32 accumulator is live at a time instead of two.
     """
     pid = tl.program_id(0)
     hv = pid % HV
@@ -255,13 +257,14 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
         mkv = (ck[:, None] < K) & (cv[None, :] < V)
         tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
         st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
-        dst = tl.load(dhs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
         vn = tl.load(vn_ptr + tv_off, mask=mv, other=0.0)
         do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(vn.dtype)
         dqi += tl.dot(do, tl.trans(st), input_precision=PREC)
         ds += tl.dot(do, tl.trans(vn), input_precision=PREC)
-        dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
-        dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
+        if not TWO_PASS:
+            dst = tl.load(dhs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
+            dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
+            dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
     # q, k and the per-row factors are loaded after the loop: they are not held in registers across it
     q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
     k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
@@ -281,6 +284,16 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
         tl.store(dq_ptr + qk_off, _l2norm_bwd(dq, q, rq, L2).to(dq_ptr.dtype.element_ty), mask=mk)
     else:
         tl.store(dqp_ptr + part_off, dq.to(dqp_ptr.dtype.element_ty), mask=mk)
+    if TWO_PASS:
+        for vb in range(tl.cdiv(V, BV)):
+            cv = vb * BV + tl.arange(0, BV)
+            mkv = (ck[:, None] < K) & (cv[None, :] < V)
+            st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
+            dst = tl.load(dhs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
+            vn = tl.load(vn_ptr + tok[:, None] * (HV * V) + hv * V + cv[None, :],
+                         mask=valid[:, None] & (cv[None, :] < V), other=0.0)
+            dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
+            dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
     # dkhat: through h_next = exp(gl) h + khat^T diag(exp(gl - gc)) v', the intra-chunk term
     # (ds o D)^T qhat (as (qhat^T (ds o D))^T from the loaded q: no transposed computed dot operand) and the
     # WY part from _bwd_wy

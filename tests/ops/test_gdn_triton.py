@@ -496,3 +496,86 @@ def test_fwd_v2_options_bf16_gpu(over, K, V):
     must not become a default)."""
     check_forward(1, 1000, 4, 8, K, V, dtype=torch.bfloat16, tol=3e-3, options=chunk_mod.ChunkOptions(**over),
                   cu=[0, 1, 64, 65, 300, 301, 1000])
+
+# backward v2
+# ------------------------------------------------------------------------------------------------
+# per-(chunk, value head) dq/dk/dg kernel, per-value-head partials summed by _bwd_reduce (G = HV / H > 1) or
+# finished in place (G = 1); the backward's ChunkOptions switches
+# ------------------------------------------------------------------------------------------------
+
+V2_CASES = [
+    # sequence lengths 1, 63, 64, 65 in one packed row; grouped heads G = 2 and G = 4; G = 1; l2norm on and off
+    ("varlen_G2_l2", (1, 193, 1, 2, 16, 16), dict(h0=True, l2=True, cu=[0, 1, 64, 128, 193])),
+    ("varlen_G4_nol2", (1, 66, 1, 4, 16, 16), dict(h0=True, l2=False, cu=[0, 65, 66])),
+    ("varlen_G1_l2", (1, 128, 2, 2, 16, 16), dict(h0=True, l2=True, cu=[0, 63, 64, 128])),
+    ("G1_nol2_K32", (1, 65, 2, 2, 32, 16), dict(h0=False, l2=False)),
+    ("G2_H2_K32_V32", (1, 63, 2, 4, 32, 32), dict(h0=True, l2=True)),
+]
+
+
+@pytest.mark.parametrize("G", [2, 1])
+def test_bwd_v2_two_pass_fp32(G):
+    """bo_two_pass (dq and dk from two passes over the value blocks) against float64, V spanning two blocks."""
+    with chunk_mod.configured(chunk_mod.ChunkOptions(bo_two_pass=True)):
+        check_chunk(1, 66, 2, 2 * G, 16, 32, dtype=torch.float32, tol_o=FP32_TOL, tol_grad=FP32_TOL,
+                    tol_gb=FP32_TOL, h0=True, l2=G == 2, cu=[0, 1, 66])
+
+
+@pytest.mark.parametrize("shape,opts", [c[1:] for c in V2_CASES], ids=[c[0] for c in V2_CASES])
+def test_bwd_v2_fp32(shape, opts):
+    """Every gradient (q, k, v, g, beta, initial state; loss through o and the final state) against float64."""
+    check_chunk(*shape, dtype=torch.float32, tol_o=FP32_TOL, tol_grad=FP32_TOL, tol_gb=FP32_TOL, **opts)
+
+
+def _v2_grads(xs, cu, do, dht, l2, options):
+    ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
+    with chunk_mod.configured(options):
+        o, ht = chunk_gated_delta_rule_triton(ours["q"], ours["k"], ours["v"], ours["g"], ours["beta"], 0.25,
+                                              ours["initial_state"], True, l2, cu)
+        ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    return {n: x.grad for n, x in ours.items()}
+
+
+# fp16 inputs (emulated by the interpreter, unlike bf16) take the 16-bit paths that fp32 inputs never reach:
+# split (x2) / rounded (16) / fp32 products and 16-bit partials
+V2_SWITCHES = [
+    dict(bwd_partials="input", prod_wy="16", prod_bo="16"),
+    dict(prod_wy="tf32", prod_bo="tf32", bo_two_pass=True),
+]
+
+
+@pytest.mark.parametrize("G,l2", [(2, True), (1, False)], ids=["G2_l2", "G1_nol2"])
+def test_bwd_v2_switches_fp16(G, l2):
+    """Every value of each backward switch ("x2" products and fp32 partials are the defaults), on fp16
+    inputs: every gradient within 2e-3 of float64 (the defaults land at 2e-4 to 5e-4 here), and dk (which every
+    switch reaches) not bit-equal to the default's, so the switch took effect."""
+    H = 1 if G == 2 else 2
+    cu = [0, 1, 70]
+    xs, cu_t = make_inputs(1, 70, H, H * G, 16, 16, dtype=torch.float16, h0=True, cu=cu, l2=l2)
+    ref = {n: x.detach().double().requires_grad_() for n, x in xs.items()}
+    ro, rht = naive_gated_delta_rule(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], 0.25,
+                                     ref["initial_state"], True, l2, cu_t)
+    do, dht = torch.randn_like(ro), torch.randn_like(rht)
+    ((ro * do).sum() + (rht * dht).sum()).backward()
+    base = _v2_grads(xs, cu_t, do, dht, l2, chunk_mod.ChunkOptions())
+    for switches in [{}] + V2_SWITCHES:
+        grads = base if not switches else _v2_grads(xs, cu_t, do, dht, l2, chunk_mod.ChunkOptions(**switches))
+        for n, grad in grads.items():
+            assert grad.dtype == xs[n].dtype and torch.isfinite(grad).all(), (switches, n)
+            e, m = rel_rms(grad, ref[n].grad), rel_max(grad, ref[n].grad)
+            assert e <= 2e-3 and m <= 4e-2, f"{switches} d{n}: rel rms {e:.2e}, max {m:.2e}"
+        if switches:
+            assert not torch.equal(grads["k"], base["k"]), f"{switches} changed nothing"
+
+
+def test_bwd_v2_options_validated():
+    """The backward's ChunkOptions fields refuse what the kernels cannot take, naming field, value and what is
+    allowed; stages need not be powers of two."""
+    for field, value, allowed in [("bwd_partials", "bf16", "'input', 'fp32'"),
+                                  ("prod_wy", "fp8", "'tf32', '16', 'x2'"),
+                                  ("prod_bo", None, "'tf32', '16', 'x2'"),
+                                  ("bt_red", 24, "a power of two"), ("warps_red", 0, "an int >= 1"),
+                                  ("bv_sbwd", 48, "a power of two"), ("stages_bo", True, "an int >= 1")]:
+        with pytest.raises(ValueError, match=f"ChunkOptions.{field}={value!r}.*allowed: {allowed}"):
+            chunk_mod.ChunkOptions(**{field: value})
+    assert chunk_mod.ChunkOptions(stages_wy=3, stages_bo=3, stages_dvl=3, stages_sbwd=3).stages_wy == 3

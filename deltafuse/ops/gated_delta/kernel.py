@@ -29,9 +29,18 @@ others in ``kernel_bwd.py``):
 * ``_dv_local``    [chunk, value head]: the intra-chunk part of dv', scale lower_incl(q k^T o D)^T do.
 * ``_state_bwd``   [V block x sequence x value head, one axis]: the reverse pass; stores the gradient of the
   state at every chunk end (``dhs``), the full gradient of v' (``dvn``) and the initial-state gradient.
-* ``_bwd_wy``      [chunk, value head]: back through w, u and T (dv, dbeta, WY parts of dk and dg).
-* ``_bwd_out``     [chunk, q/k head]: the output and state parts of dq, dk, dg; sums the value heads
-  that share the q/k head (no repeated q/k is ever materialised), then goes back through the l2norm.
+* ``_bwd_wy``      [chunk x value head, one axis]: back through w, u and T (dv, dbeta, the WY part of dg);
+  writes the WY part of dk as the start of the value head's dk partial.
+* ``_bwd_out``     [chunk x value head, one axis]: the output and state parts of dq, dk and all of dg for one
+  value head; writes its dq partial and adds its dk terms to the dk partial (per-value-head buffers
+  [tokens, HV, K], fp32 or 16-bit: ``ChunkOptions.bwd_partials``). With one value head per q/k head it
+  finishes dq and dk itself. No repeated q/k is ever materialised.
+* ``_bwd_reduce``  [token block, q/k head]: sums the partials of the value heads that share a q/k head, goes
+  back through the l2norm and casts.
+
+No kernel uses a transposed computed tile as a dot operand (a Triton-on-Hopper miscompile hazard): transposed
+inputs are loaded with swapped strides, and a product with a transposed computed tile is formed as the
+transpose of the product of the transposed loaded operand with that tile.
 
 Products of a 16-bit operand (inputs, stored intermediates) with an fp32 one split the fp32 operand into
 two 16-bit parts, so 16-bit tensor cores give close to fp32 accuracy without fp32 copies of the large
@@ -57,7 +66,7 @@ import triton.language as tl
 
 from deltafuse.config import triton_interpreting
 from deltafuse.ops._checks import host_offsets
-from deltafuse.ops.gated_delta.kernel_bwd import _bwd_out, _bwd_wy, _dv_local, _state_bwd
+from deltafuse.ops.gated_delta.kernel_bwd import _bwd_out, _bwd_reduce, _bwd_wy, _dv_local, _state_bwd
 from deltafuse.ops.gated_delta.kernel_fwd import _intra_fwd, _l2norm_rstd, _state_fwd
 from deltafuse.ops.gated_delta.kernel_out import _out_fwd
 
@@ -168,12 +177,34 @@ class ChunkOptions:
     bk_out: int = 64
     warps_out: int = 4
     stages_out: int = 2
+    # backward kernels
+    # bwd_partials: dtype of the per-value-head dq / dk partials that _bwd_out writes and _bwd_reduce sums when
+    # several value heads share a q/k head: "fp32" or "input" (the inputs' 16-bit dtype: half the bytes).
+    # prod_wy / prod_bo: products of a computed fp32 tile with a 16-bit one in _bwd_wy / _bwd_out (16-bit
+    # inputs only): "x2" (two 16-bit parts), "16" (one 16-bit product), "tf32" (one fp32 product); the
+    # other backward kernels follow bwd_x2. _state_bwd has its own tiles (bv_sbwd, warps_sbwd, stages_sbwd);
+    # _bwd_reduce takes bt_red tokens per program. bo_two_pass: _bwd_out makes two passes over the value blocks
+    # (dq, then dk): one [64, K] fp32 accumulator live instead of two, for one more read of v' and h.
+    bwd_partials: str = "fp32"
+    prod_wy: str = "x2"
+    prod_bo: str = "x2"
+    bo_two_pass: bool = False
+    bv_sbwd: int = 32
+    warps_sbwd: int = 8
+    stages_sbwd: int = 2
+    stages_dvl: int = 2
+    stages_wy: int = 2
+    stages_bo: int = 2
+    bt_red: int = 32
+    warps_red: int = 4
 
     def __post_init__(self):
         for name in ("fwd_store", "bwd_store"):
             if getattr(self, name) not in ("input", "fp32"):
                 raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: 'input', 'fp32'")
-        for name in ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv"):
+        if self.bwd_partials not in ("input", "fp32"):
+            raise ValueError(f"ChunkOptions.bwd_partials={self.bwd_partials!r}; allowed: 'input', 'fp32'")
+        for name in ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo"):
             if getattr(self, name) not in _PROD_MODES:
                 raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: "
                                  + ", ".join(repr(m) for m in _PROD_MODES))
@@ -339,9 +370,25 @@ def _forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan):
 def _backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0):
     TT, H, K = q.shape
     HV, V = v.shape[-2:]
+    G = HV // H
     dev = q.device
     cfg = _Cfg(q.dtype, K, V, "bwd")
-    common = dict(H=H, HV=HV, K=K, V=V, BK=cfg.BK, L2=L2, X2=cfg.X2, PREC=cfg.PREC, DT=cfg.DT)
+    opts = _in_effect[0]
+    interp = _interpreting()
+    full = q.dtype == torch.float32
+    # the small-head rule of _Cfg (2 warps at most under 64 columns) for the backward's own tunables
+    small = min(cfg.BK, max(16, triton.next_power_of_2(V))) < 64
+
+    def warps(n):
+        return 1 if interp else (min(2, n) if small else n)
+
+    def stages(n):
+        return 1 if interp else n
+
+    def mode(name):
+        return 0 if full else _PROD_MODES[getattr(opts, name)]
+
+    common = dict(H=H, HV=HV, K=K, V=V, BK=cfg.BK, L2=L2, PREC=cfg.PREC, DT=cfg.DT)
     rq, rk = _rstd(q, k, L2)
     gc, w, u, tinv = _prepare(k, rk, v, g, beta, plan, cfg, L2, True)
     rq, rk = (rq, rk) if L2 else (gc, gc)
@@ -351,43 +398,62 @@ def _backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0):
     xm = _PROD_MODES["x2"] if cfg.X2 else _PROD_MODES["tf32"]
     _state_fwd[grid](k, rk, w, u, gc, h0 if h0 is not None else gc, hs, vn, gc, plan.cu, plan.coff,
                      BV=cfg.bv["state"], HAS_H0=h0 is not None, STORE_HT=False, WH=xm, KV=xm,
-                     **{n: x for n, x in common.items() if n != "X2"}, num_warps=cfg.nw["state"],
+                     **common, num_warps=cfg.nw["state"],
                      num_stages=cfg.stages_state)
     _mark("state_fwd")
     del u
     dvl = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
     if plan.NC:
-        _dv_local[(plan.NC, HV)](q, k, rq, rk, gc, do, dvl, plan.chunks, scale, BV=cfg.bv["dvl"], **common,
-                                 num_warps=cfg.nw["dvl"], num_stages=cfg.stages)
+        _dv_local[(plan.NC, HV)](q, k, rq, rk, gc, do, dvl, plan.chunks, scale, BV=cfg.bv["dvl"], X2=cfg.X2,
+                                 **common, num_warps=cfg.nw["dvl"], num_stages=stages(opts.stages_dvl))
     _mark("dv_local")
     dhs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
     dvn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
     dh0 = torch.empty(plan.N, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
-    _state_bwd[grid](q, k, rq, rk, w, gc, do, dvl, dht if dht is not None else gc, dhs, dvn,
-                     dh0 if need_dh0 else gc, plan.cu, plan.coff, scale, BV=cfg.bv["state"], HAS_DHT=dht is not None,
-                     STORE_DH0=need_dh0, **common, num_warps=cfg.nw["state"], num_stages=cfg.stages_state)
+    bv_sbwd = min(max(16, triton.next_power_of_2(V)), 16 if interp else opts.bv_sbwd)
+    # fp32 states in the reverse pass need the shared memory that load pipelining would take
+    stages_sbwd = 1 if (interp or cfg.store == torch.float32) else opts.stages_sbwd
+    _state_bwd[(triton.cdiv(V, bv_sbwd) * plan.N * HV,)](
+        q, k, rq, rk, w, gc, do, dvl, dht if dht is not None else gc, dhs, dvn, dh0 if need_dh0 else gc, plan.cu,
+        plan.coff, scale, BV=bv_sbwd, HAS_DHT=dht is not None, STORE_DH0=need_dh0, X2=cfg.X2, **common,
+        num_warps=warps(opts.warps_sbwd), num_stages=stages_sbwd)
     _mark("state_bwd")
     del w, dvl
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dg = torch.empty(g.shape, device=dev, dtype=g.dtype)
     db = torch.empty(beta.shape, device=dev, dtype=beta.dtype)
     if not plan.NC:
-        for t in (dq, dk, dv, dg, db):
+        dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+        for t in (dv, dg, db):
             t.zero_()
         return dq, dk, dv, dg, db, dh0
+    # Per-value-head partials of dkhat (and of dqhat when G > 1), [TT, HV, K]: _bwd_wy writes the WY part of
+    # dkhat, _bwd_out adds its terms (or, with G = 1, finishes dq and dk itself), _bwd_reduce sums the groups.
+    part_dtype = torch.float32 if (full or opts.bwd_partials == "fp32") else q.dtype
     dgc = torch.empty(TT, HV, device=dev, dtype=torch.float32)
-    dkw = torch.empty(TT, HV, K, device=dev, dtype=torch.float32)
-    _bwd_wy[(plan.NC, HV)](k, rk, v, beta, gc, tinv, hs, dvn, dv, db, dgc, dkw, plan.chunks, BV=cfg.bv["wy"],
-                           **common, num_warps=cfg.nw["wy"], num_stages=cfg.stages)
+    dkp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
+    _bwd_wy[(plan.NC * HV,)](k, rk, v, beta, gc, tinv, hs, dvn, dv, db, dgc, dkp, plan.chunks, BV=cfg.bv["wy"],
+                             MODE=mode("prod_wy"), **common, num_warps=cfg.nw["wy"],
+                             num_stages=stages(opts.stages_wy))
     _mark("bwd_wy")
     del dvn, tinv
-    dq_acc = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
-    dk_acc = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
-    _bwd_out[(plan.NC, H)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkw, dq_acc, dk_acc, dq, dk, dg, plan.chunks,
-                           scale, BV=cfg.bv["bo"], **common, num_warps=cfg.nw["bo"], num_stages=cfg.stages)
+    if G == 1:
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        dqp = dkp
+    else:
+        dq = dk = gc  # written by _bwd_reduce
+        dqp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
+    _bwd_out[(plan.NC * HV,)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkp, dqp, dq, dk, dg, plan.chunks, scale,
+                              BV=cfg.bv["bo"], MODE=mode("prod_bo"), TWO_PASS=opts.bo_two_pass, **common,
+                              num_warps=cfg.nw["bo"], num_stages=stages(opts.stages_bo))
     _mark("bwd_out")
+    if G > 1:
+        del hs, dhs, vn
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        bt = 32 if interp else opts.bt_red
+        _bwd_reduce[(triton.cdiv(TT, bt), H)](q, k, rq, rk, dqp, dkp, dq, dk, TT, H=H, HV=HV, K=K, BK=cfg.BK,
+                                              BT=bt, L2=L2, num_warps=warps(opts.warps_red))
+        _mark("bwd_reduce")
     return dq, dk, dv, dg, db, dh0
 
 

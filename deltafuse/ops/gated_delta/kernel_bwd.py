@@ -12,6 +12,53 @@ import triton.language as tl
 from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_x, _dot_xa, _rows
 
 # --------------------------------------------------------------------------------------------------
+# backward device helpers
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mix_a(a, b, MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """a @ b for a computed fp32 ``a`` and ``b`` exact in DT (loaded inputs or stored values).
+
+    MODE (kernel._PROD_MODES) 0: one fp32 product at precision PREC; 2 ("x2"): ``a`` split into two DT parts
+    (hi + lo, about 16 mantissa bits) and two 16-bit products; 1 ("16"): ``a`` rounded to DT, one 16-bit product. An fp32 ``b`` (fp32 storage)
+    always takes the fp32 product.
+    """
+    if MODE == 2 and b.dtype != tl.float32:
+        ah = a.to(DT)
+        al = (a - ah.to(tl.float32)).to(DT)
+        return tl.dot(al, b, acc=tl.dot(ah, b))
+    elif MODE == 1 and b.dtype != tl.float32:
+        return tl.dot(a.to(DT), b)
+    else:
+        return tl.dot(a, b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _mix_b(a, b, MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """a @ b for ``a`` exact in DT and a computed fp32 ``b`` (the mirror of _mix_a)."""
+    if MODE == 2 and a.dtype != tl.float32:
+        bh = b.to(DT)
+        bl = (b - bh.to(tl.float32)).to(DT)
+        return tl.dot(a, bl, acc=tl.dot(a, bh))
+    elif MODE == 1 and a.dtype != tl.float32:
+        return tl.dot(a, b.to(DT))
+    else:
+        return tl.dot(a.to(tl.float32), b, input_precision=PREC)
+
+
+@triton.jit
+def _l2norm_bwd(dy, x, r, L2: tl.constexpr):
+    """Back through y = x r with r = rsqrt(|x|^2 + eps) per row: dx = r (dy - y (y . dy)); dy itself when the
+    l2norm is off."""
+    if L2:
+        y = x.to(tl.float32) * r[:, None]
+        return (dy - y * tl.sum(y * dy, 1)[:, None]) * r[:, None]
+    else:
+        return dy
+
+
+# --------------------------------------------------------------------------------------------------
 # backward kernels
 # --------------------------------------------------------------------------------------------------
 
@@ -101,14 +148,17 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
 
 
 @triton.jit
-def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, dv_ptr, db_ptr, dgc_ptr, dkw_ptr,
+def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, dv_ptr, db_ptr, dgc_ptr, dkp_ptr,
             chunks_ptr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
             BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-            X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+            MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Back through v' = u - w h, w = T diag(beta exp(gc)) khat, u = T diag(beta) v and T = (I + A)^-1:
-    dv and dbeta (complete), and the WY parts of dkhat and dgc (per value head, summed later)."""
-    pid_c = tl.program_id(0)
-    hv = tl.program_id(1)
+    dv and dbeta (complete), the WY part of dgc and the WY part of dkhat, which starts this value head's dk
+    partial (``dkp``; ``_bwd_out`` adds the rest)."""
+    # one grid axis, value heads fastest: the value heads of one q/k head read the same k rows back to back
+    pid = tl.program_id(0)
+    hv = pid % HV
+    pid_c = pid // HV
     h = hv // (HV // H)
     start = tl.load(chunks_ptr + pid_c * 3 + 1).to(tl.int64)
     end = tl.load(chunks_ptr + pid_c * 3 + 2).to(tl.int64)
@@ -121,8 +171,8 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
     gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
     b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
-    Tm = tl.load(tinv_ptr + tok[:, None] * (HV * 64) + hv * 64 + rows[None, :], mask=valid[:, None], other=0.0)
-    Tt = tl.trans(Tm)
+    # T^T, transposed on load (swapped strides): no transpose of a tile in registers
+    Tt = tl.load(tinv_ptr + tok[None, :] * (HV * 64) + hv * 64 + rows[:, None], mask=valid[None, :], other=0.0)
     dwa = tl.zeros([64, BK], dtype=tl.float32)
     dT = tl.zeros([64, 64], dtype=tl.float32)
     db = tl.zeros([64], dtype=tl.float32)
@@ -137,13 +187,13 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
         v = tl.load(v_ptr + tv_off, mask=mv, other=0.0)
         dwa += tl.dot(dvn, tl.trans(st), input_precision=PREC)
         dT += tl.dot(dvn, tl.trans(v.to(dvn.dtype)), input_precision=PREC)  # columns scaled by beta below
-        dY = _dot_xa(Tt, dvn, X2, PREC, DT)
+        dY = _mix_a(Tt, dvn, MODE, PREC, DT)
         tl.store(dv_ptr + tv_off, (dY * b[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
         db += tl.sum(v.to(tl.float32) * dY, 1)
     eg = tl.where(valid, tl.exp(gc), 0.0)
     beg = b * eg
     # x = diag(beta exp(gc) rk) k;  dw = -dwa;  dx = T^T dw;  dT += dw x^T
-    dT = dT * b[None, :] - _dot_xa(dwa, tl.trans(k), X2, PREC, DT) * (beg * rk)[None, :]
+    dT = dT * b[None, :] - _mix_a(dwa, tl.trans(k), MODE, PREC, DT) * (beg * rk)[None, :]
     dx = -tl.dot(Tt, dwa, input_precision=PREC)
     kdx = tl.sum(k.to(tl.float32) * dx, 1) * rk
     db += kdx * eg
@@ -158,22 +208,34 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     qa = dAk * b[:, None]
     dgc += tl.sum(qa, 1) - tl.sum(qa, 0)
     p = dA * b[:, None]
-    dk += _dot_xa(p * rk[None, :], k, X2, PREC, DT) + _dot_xa(tl.trans(p) * rk[None, :], k, X2, PREC, DT)
+    # dkhat += p khat + p^T khat; the second as (khat^T p)^T, a product of the loaded k (transposed on the
+    # operand side) with p, whose result is transposed back: p itself is never a transposed dot operand
+    dk += _mix_a(p * rk[None, :], k, MODE, PREC, DT)
+    dk += tl.trans(_mix_b(tl.trans(k), p * rk[:, None], MODE, PREC, DT))
     tl.store(db_ptr + tok * HV + hv, db.to(db_ptr.dtype.element_ty), mask=valid)
     tl.store(dgc_ptr + tok * HV + hv, dgc, mask=valid)
-    tl.store(dkw_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], dk, mask=mk)
+    tl.store(dkp_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], dk.to(dkp_ptr.dtype.element_ty), mask=mk)
 
 
 @triton.jit
-def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_ptr, dgc_ptr, dkw_ptr,
-             dq_acc_ptr, dk_acc_ptr, dq_ptr, dk_ptr, dg_ptr, chunks_ptr, scale,
+def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_ptr, dgc_ptr, dkp_ptr, dqp_ptr,
+             dq_ptr, dk_ptr, dg_ptr, chunks_ptr, scale,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-             X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Output and state terms of dq, dk, dg; sums the value heads of the group; back through the l2norm."""
-    pid_c = tl.program_id(0)
-    h = tl.program_id(1)
+             MODE: tl.constexpr, TWO_PASS: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Output and state terms of dq, dk and all of dg for one (chunk, value head).
+
+    With one value head per q/k head (G = 1) dq and dk are finished here (back through the l2norm, cast).
+    Otherwise this value head's dq partial is written to ``dqp`` and its dk terms are added to the WY part
+    already in ``dkp``; ``_bwd_reduce`` sums the G partials of each q/k head.
+    TWO_PASS: two passes over the value blocks, the first for dq (reading do, h, v'), the second for dk (reading
+    v', dh, h again), so one [64, BK] fp32 accumulator is live at a time instead of two.
+    """
+    pid = tl.program_id(0)
+    hv = pid % HV
+    pid_c = pid // HV
     G: tl.constexpr = HV // H
+    h = hv // G
     start = tl.load(chunks_ptr + pid_c * 3 + 1).to(tl.int64)
     end = tl.load(chunks_ptr + pid_c * 3 + 2).to(tl.int64)
     rows = tl.arange(0, 64)
@@ -183,64 +245,96 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
     qk_off = tok[:, None] * (H * K) + h * K + ck[None, :]
+    part_off = tok[:, None] * (HV * K) + hv * K + ck[None, :]
+    dqi = tl.zeros([64, BK], dtype=tl.float32)
+    dkh = tl.zeros([64, BK], dtype=tl.float32)
+    ds = tl.zeros([64, 64], dtype=tl.float32)
+    dgl = tl.zeros([BK], dtype=tl.float32)
+    st_base = (pid_c.to(tl.int64) * HV + hv) * (K * V)
+    for vb in range(tl.cdiv(V, BV)):
+        cv = vb * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (cv[None, :] < V)
+        mkv = (ck[:, None] < K) & (cv[None, :] < V)
+        tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
+        st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
+        vn = tl.load(vn_ptr + tv_off, mask=mv, other=0.0)
+        do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(vn.dtype)
+        dqi += tl.dot(do, tl.trans(st), input_precision=PREC)
+        ds += tl.dot(do, tl.trans(vn), input_precision=PREC)
+        if not TWO_PASS:
+            dst = tl.load(dhs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
+            dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
+            dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
+    # q, k and the per-row factors are loaded after the loop: they are not held in registers across it
     q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
     k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
     rq = _rows(rq_ptr, tok, H, h, valid, L2)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
-    for j in tl.static_range(G):
-        hv = h * G + j
-        gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
-        gl = tl.load(gc_ptr + (start + last_row) * HV + hv)
-        dqi = tl.zeros([64, BK], dtype=tl.float32)
-        dkh = tl.zeros([64, BK], dtype=tl.float32)
-        ds = tl.zeros([64, 64], dtype=tl.float32)
-        dgl = tl.zeros([BK], dtype=tl.float32)
-        st_base = (pid_c.to(tl.int64) * HV + hv) * (K * V)
+    gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
+    gl = tl.load(gc_ptr + (start + last_row) * HV + hv)
+    eg = tl.where(valid, tl.exp(gc), 0.0)
+    egl = tl.where(valid, tl.exp(gl - gc), 0.0)
+    dsd = ds * _chunk_decay(gc, valid, False) * scale
+    dmd = dsd * tl.dot(q, tl.trans(k), input_precision=PREC) * rq[:, None] * rk[None, :]
+    dgc = tl.sum(dmd, 1) - tl.sum(dmd, 0)
+    # dqhat: inter-chunk term diag(scale exp(gc)) do h^T, intra-chunk term (ds o D) khat
+    dgc += tl.sum(q.to(tl.float32) * dqi, 1) * rq * eg * scale
+    dq = dqi * (eg * scale)[:, None] + _mix_a(dsd * rk[None, :], k, MODE, PREC, DT)
+    if G == 1:
+        tl.store(dq_ptr + qk_off, _l2norm_bwd(dq, q, rq, L2).to(dq_ptr.dtype.element_ty), mask=mk)
+    else:
+        tl.store(dqp_ptr + part_off, dq.to(dqp_ptr.dtype.element_ty), mask=mk)
+    if TWO_PASS:
         for vb in range(tl.cdiv(V, BV)):
             cv = vb * BV + tl.arange(0, BV)
-            mv = valid[:, None] & (cv[None, :] < V)
             mkv = (ck[:, None] < K) & (cv[None, :] < V)
-            tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
             st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
             dst = tl.load(dhs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
-            vn = tl.load(vn_ptr + tv_off, mask=mv, other=0.0)
-            do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(vn.dtype)
-            dqi += tl.dot(do, tl.trans(st), input_precision=PREC)
-            ds += tl.dot(do, tl.trans(vn), input_precision=PREC)
+            vn = tl.load(vn_ptr + tok[:, None] * (HV * V) + hv * V + cv[None, :],
+                         mask=valid[:, None] & (cv[None, :] < V), other=0.0)
             dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
             dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
-        eg = tl.where(valid, tl.exp(gc), 0.0)
-        egl = tl.where(valid, tl.exp(gl - gc), 0.0)
-        dsd = ds * _chunk_decay(gc, valid, False) * scale
-        dmd = dsd * tl.dot(q, tl.trans(k), input_precision=PREC) * rq[:, None] * rk[None, :]
-        dgc = tl.sum(dmd, 1) - tl.sum(dmd, 0)
-        # dqhat: inter-chunk term diag(scale exp(gc)) do h^T, intra-chunk term (ds o D) khat
-        dgc += tl.sum(q.to(tl.float32) * dqi, 1) * rq * eg * scale
-        dq = dqi * (eg * scale)[:, None] + _dot_xa(dsd * rk[None, :], k, X2, PREC, DT)
-        if j > 0:
-            dq += tl.load(dq_acc_ptr + qk_off, mask=mk, other=0.0)
-        tl.store(dq_acc_ptr + qk_off, dq, mask=mk)
-        # dkhat: through h_next = exp(gl) h + khat^T diag(exp(gl - gc)) v', the intra-chunk term and
-        # the WY part from _bwd_wy
-        e = egl * rk * tl.sum(k.to(tl.float32) * dkh, 1)
-        dk = dkh * egl[:, None] + _dot_xa(tl.trans(dsd) * rq[None, :], q, X2, PREC, DT)
-        dk += tl.load(dkw_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)
-        if j > 0:
-            dk += tl.load(dk_acc_ptr + qk_off, mask=mk, other=0.0)
-        tl.store(dk_acc_ptr + qk_off, dk, mask=mk)
-        dgc -= e
-        dgc += tl.where(rows == last_row, tl.exp(gl) * tl.sum(dgl, 0) + tl.sum(e, 0), 0.0)
-        dgc += tl.load(dgc_ptr + tok * HV + hv, mask=valid, other=0.0)
-        dg = tl.cumsum(tl.where(valid, dgc, 0.0), 0, reverse=True)
-        tl.store(dg_ptr + tok * HV + hv, dg.to(dg_ptr.dtype.element_ty), mask=valid)
-        tl.debug_barrier()
-    dq = tl.load(dq_acc_ptr + qk_off, mask=mk, other=0.0)
-    dk = tl.load(dk_acc_ptr + qk_off, mask=mk, other=0.0)
+    # dkhat: through h_next = exp(gl) h + khat^T diag(exp(gl - gc)) v', the intra-chunk term
+    # (ds o D)^T qhat (as (qhat^T (ds o D))^T from the loaded q: no transposed computed dot operand) and the
+    # WY part from _bwd_wy
+    e = egl * rk * tl.sum(k.to(tl.float32) * dkh, 1)
+    dk = dkh * egl[:, None] + tl.trans(_mix_b(tl.trans(q), dsd * rq[:, None], MODE, PREC, DT))
+    dk += tl.load(dkp_ptr + part_off, mask=mk, other=0.0).to(tl.float32)
+    if G == 1:
+        tl.store(dk_ptr + qk_off, _l2norm_bwd(dk, k, rk, L2).to(dk_ptr.dtype.element_ty), mask=mk)
+    else:
+        tl.store(dkp_ptr + part_off, dk.to(dkp_ptr.dtype.element_ty), mask=mk)
+    dgc -= e
+    dgc += tl.where(rows == last_row, tl.exp(gl) * tl.sum(dgl, 0) + tl.sum(e, 0), 0.0)
+    dgc += tl.load(dgc_ptr + tok * HV + hv, mask=valid, other=0.0)
+    dg = tl.cumsum(tl.where(valid, dgc, 0.0), 0, reverse=True)
+    tl.store(dg_ptr + tok * HV + hv, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit(do_not_specialize=["TT"])
+def _bwd_reduce(q_ptr, k_ptr, rq_ptr, rk_ptr, dqp_ptr, dkp_ptr, dq_ptr, dk_ptr, TT,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                L2: tl.constexpr):
+    """dq and dk of one q/k head: the sum of the per-value-head partials of its G value heads, back through
+    the l2norm, cast to the inputs' dtype."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    G: tl.constexpr = HV // H
+    tok = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
+    valid = tok < TT
+    ck = tl.arange(0, BK)
+    mk = valid[:, None] & (ck[None, :] < K)
+    dq = tl.zeros([BT, BK], dtype=tl.float32)
+    dk = tl.zeros([BT, BK], dtype=tl.float32)
+    for j in tl.static_range(G):
+        off = tok[:, None] * (HV * K) + (h * G + j) * K + ck[None, :]
+        dq += tl.load(dqp_ptr + off, mask=mk, other=0.0).to(tl.float32)
+        dk += tl.load(dkp_ptr + off, mask=mk, other=0.0).to(tl.float32)
+    qk_off = tok[:, None] * (H * K) + h * K + ck[None, :]
     if L2:
-        # xhat = x r with r = rsqrt(|x|^2 + eps):  dx = r (dxhat - xhat (xhat . dxhat))
-        yq = q.to(tl.float32) * rq[:, None]
-        yk = k.to(tl.float32) * rk[:, None]
-        dq = (dq - yq * tl.sum(yq * dq, 1)[:, None]) * rq[:, None]
-        dk = (dk - yk * tl.sum(yk * dk, 1)[:, None]) * rk[:, None]
+        q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
+        k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
+        dq = _l2norm_bwd(dq, q, _rows(rq_ptr, tok, H, h, valid, L2), L2)
+        dk = _l2norm_bwd(dk, k, _rows(rk_ptr, tok, H, h, valid, L2), L2)
     tl.store(dq_ptr + qk_off, dq.to(dq_ptr.dtype.element_ty), mask=mk)
     tl.store(dk_ptr + qk_off, dk.to(dk_ptr.dtype.element_ty), mask=mk)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -84,22 +85,32 @@ def configured(options: RecurrentOptions | None = None):
         _in_effect[0] = saved
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (host-side; Triton's helpers are slow to call from Python)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def launch_config(N: int, HV: int, K: int, V: int, options: RecurrentOptions | None = None,
                   interpreting: bool | None = None) -> tuple[int, int, int, int]:
     """(BK, BV, warps, stages) the kernel runs with for N sequences of HV heads of size K x V. The interpreter
     uses small fixed tiles unless options other than the defaults are given (tests of the options)."""
     opts = _in_effect[0] if options is None else options
     interp = triton_interpreting() if interpreting is None else interpreting
-    BK = max(16, triton.next_power_of_2(K))
-    vmax = max(8, triton.next_power_of_2(V))
+    return _launch_config(N, HV, K, V, opts, bool(interp))
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_config(N: int, HV: int, K: int, V: int, opts: RecurrentOptions, interp: bool):
+    BK = max(16, _pow2(K))
+    vmax = max(8, _pow2(V))
     if interp and opts == DEFAULT_OPTIONS:
         return BK, min(vmax, 16), 1, 1
     bv = min(vmax, opts.bv)
     floor = min(vmax, opts.bv_min)
-    while bv > floor and N * HV * triton.cdiv(V, bv) < opts.min_programs:
+    while bv > floor and N * HV * -(-V // bv) < opts.min_programs:
         bv //= 2
     warps = opts.warps or max(1, min(8, BK * bv // 1024))
-    if min(BK, triton.next_power_of_2(V)) < 64:
+    if min(BK, _pow2(V)) < 64:
         warps = min(warps, 2)
     return BK, bv, warps, opts.stages
 
@@ -232,12 +243,11 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
             ht.copy_(h0)
         return o, ht
     BK, BV, warps, stages = launch_config(N, HV, K, V, options)
-    grid = (triton.cdiv(V, BV) * N * HV,)
+    grid = (-(-V // BV) * N * HV,)
+    sq, sk, sv, sg, sb = q.stride(), k.stride(), v.stride(), g.stride(), beta.stride()
     _recurrent_fwd[grid](q, k, v, g, beta, o if h0 is None else h0, o, o if ht is None else ht,
                          o if cu_seqlens is None else cu_seqlens, float(scale), T,
-                         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
-                         beta.stride(0), beta.stride(1),
+                         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sg[0], sg[1], sb[0], sb[1],
                          H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=bool(use_qk_l2norm_in_kernel),
                          IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
                          STAGES=stages, num_warps=warps)

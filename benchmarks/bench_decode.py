@@ -68,13 +68,16 @@ def impl_ours(inplace: bool, options=None):
     return fn
 
 
-def impl_ours_op(x, state):
-    """Through deltafuse's public op and the transformers adapter's request (what the patched model runs)."""
+def impl_ours_op(backend=None):
+    """Through deltafuse's public op with the transformers adapter's request (what the patched model runs);
+    ``backend``: None (the registry's choice) or a forced one (the CPU smoke run forces Triton)."""
     from deltafuse import ops
 
-    return ops.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=state,
-                                                output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                                inplace_final_state=True)
+    def fn(x, state):
+        return ops.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=state,
+                                                    output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                    inplace_final_state=True, backend=backend)
+    return fn
 
 
 def load_fla():
@@ -141,7 +144,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_eager(fn, x, states, with_copy, reps, device):
+def time_eager(fn, x, states, with_copy, reps, device, warmup=3):
     """Median time of one pass of len(states) calls (one token through that many layers), one call after
     another. ``with_copy``: each layer's state.copy_(new_state) as transformers' cache does."""
     def once():
@@ -151,7 +154,7 @@ def time_eager(fn, x, states, with_copy, reps, device):
                 s.copy_(ht)
 
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(warmup):
             once()
         times = []
         for _ in range(reps):
@@ -213,7 +216,7 @@ def op_rows(args, device, impls, shapes, results):
                     row.update(check(fn, x))
                     for with_copy in (False, True):
                         suffix = "+cache" if with_copy else ""
-                        t = time_eager(fn, x, states, with_copy, args.reps, device)
+                        t = time_eager(fn, x, states, with_copy, args.reps, device, args.warmup)
                         row[f"eager{suffix}_us_per_call"] = t / args.layers * 1e6
                         row[f"eager{suffix}_tok_s"] = B / t
                         if device.type == "cuda" and not args.no_graph:
@@ -402,6 +405,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=24, help="GDN layers per token (calls per timed pass); "
                     "24 = the Qwen3.5-9B stack")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA graph timing")
     ap.add_argument("--sweep", action="store_true", help="also sweep RecurrentOptions (bv, warps)")
     ap.add_argument("--skip", default="", help="comma list to skip: ours,op,fla,hf,generate")
@@ -412,7 +416,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.dtype = torch.float32 if args.smoke else torch.bfloat16  # the interpreter emulates fp32 only
     if args.smoke:
-        args.batches, args.layers, args.reps, args.no_graph = "1,3", 2, 2, True
+        args.batches, args.layers, args.reps, args.warmup, args.no_graph = "1,2", 1, 1, 1, True
         args.model, args.gen_batches, args.prompt, args.new_tokens = "tiny", "1,2", 8, 4
     try:
         args.batches, args.gen_batches = _ints(args.batches), _ints(args.gen_batches)
@@ -440,7 +444,7 @@ def main(argv=None):
     if "ours" not in skip:
         impls += [("deltafuse triton", impl_ours(False)), ("deltafuse triton in place", impl_ours(True))]
     if "op" not in skip:
-        impls.append(("deltafuse op in place", impl_ours_op))
+        impls.append(("deltafuse op in place", impl_ours_op("triton" if args.smoke else None)))
     if "fla" not in skip and device.type == "cuda":
         fn, label = load_fla()
         if fn is None:
@@ -453,19 +457,13 @@ def main(argv=None):
             notes["hf"] = label
         else:
             impls.append((label, fn))
-    if args.smoke:
-        from deltafuse.backends import REGISTRY  # the op's automatic choice on CPU is torch; force Triton here
-
-        os.environ.setdefault("DELTAFUSE_BACKEND", "triton")
-        REGISTRY.clear_cache()
     op_rows(args, device, impls, shapes, results)
     if args.sweep and device.type == "cuda":
         sweep_rows(args, device, results)
     if "generate" not in skip:
-        if args.smoke:
-            os.environ.pop("DELTAFUSE_BACKEND", None)
         generate_rows(args, device, results)
-    doc = {"stack": stack(device), "notes": notes, "args": {k: v for k, v in vars(args).items()},
+    settings = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items()}
+    doc = {"stack": stack(device), "notes": notes, "args": settings,
            "results": results}
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=1)

@@ -42,8 +42,12 @@ def _gdn_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, us
                                      _library.grad_mask(q, k, v, g, beta, initial_state))
         return o, (final if output_final_state else None)
     if packing is None or packing.rows_are_sequences:
+        extra = {}
+        if op is ops.fused_recurrent_gated_delta_rule and _state_replaced_in_place(initial_state, output_final_state,
+                                                                                 q, k, v, g, beta):
+            extra["inplace_final_state"] = True
         return op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **extra)
     cu_seqlens = packing.cu_seqlens
     if cu_seqlens.device != q.device:
         cu_seqlens = cu_seqlens.to(q.device)
@@ -64,6 +68,17 @@ def _gdn_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, us
     if final is not None:
         final = final[last]
     return o, final
+
+
+def _state_replaced_in_place(initial_state, output_final_state, *tensors) -> bool:
+    """Whether a decoding step may write its final state over ``initial_state``: every GDN layer of
+    transformers replaces its cache's state with the step's final state right after the call (5.15+ copies it
+    onto the cached tensor, older releases assign it), so writing it there saves an allocation and, with the
+    copy onto itself that follows, a read and a write of the whole state. Only eagerly, for inference, on a
+    contiguous fp32 state (what the cache holds)."""
+    return (bool(output_final_state) and initial_state is not None and initial_state.dtype == torch.float32
+            and initial_state.is_contiguous() and not torch.compiler.is_compiling()
+            and not any(_library.grad_mask(initial_state, *tensors)))
 
 
 def _packed_gdn_fake(q, k, v, g, beta, initial_state, seq_idx, scale, output_final_state,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from deltafuse import backends
@@ -88,15 +90,37 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      initial_state: torch.Tensor | None = None,
                                      output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                                      cu_seqlens: torch.Tensor | None = None,
-                                     *, backend: str | None = None,
+                                     *, backend: str | None = None, inplace_final_state: bool = False,
                                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token gated delta rule (decoding), same signature and layouts as chunk_gated_delta_rule."""
+    """Token-by-token gated delta rule (decoding), same signature and layouts as chunk_gated_delta_rule.
+
+    ``inplace_final_state=True`` (inference, with ``output_final_state`` and a contiguous fp32
+    ``initial_state``): the final state is written over ``initial_state`` and that tensor is returned, as a
+    decoding cache that replaces its state wants (the Triton kernel writes it in place; other backends copy)."""
     scale = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
     if backend is not None:
         backends.call_backend(RECURRENT, backend)
-    o, final, _ = _recurrent_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
-                      bool(use_qk_l2norm_in_kernel), backend, _library.grad_mask(q, k, v, g, beta, initial_state),
-                      torch.compiler.is_compiling())
+    mask = _library.grad_mask(q, k, v, g, beta, initial_state)
+    inplace = bool(inplace_final_state) and bool(output_final_state)
+    if inplace:
+        if initial_state is None:
+            check.fail("inplace_final_state=True needs an initial_state to write the final state into; got None")
+        if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+            check.fail("inplace_final_state=True needs a contiguous fp32 initial_state; got "
+                       f"{str(initial_state.dtype).replace('torch.', '')} with strides {tuple(initial_state.stride())}")
+        if any(mask):
+            check.fail("inplace_final_state=True is for inference, but autograd would differentiate this call "
+                       "(an input requires grad); call it under torch.no_grad()")
+    compiling = torch.compiler.is_compiling()
+    token = _INPLACE.on
+    _INPLACE.on = inplace and not compiling
+    try:
+        o, final, _ = _recurrent_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
+                                    bool(use_qk_l2norm_in_kernel), backend, mask, compiling)
+    finally:
+        _INPLACE.on = token
+    if inplace and final is not initial_state:
+        final = initial_state.copy_(final)
     return o, (final if output_final_state else None)
 
 
@@ -115,13 +139,15 @@ def _gdn_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_s
 
 
 def _gdn_run(op, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2, backend, grad_mask,
-             validate):
+             validate, inplace=False):
     if validate and cu_seqlens is not None:
         _library.named_errors(op, check.cu_seqlens, cu_seqlens, q.shape[0], q.shape[1])
     impl = backends.select(op, _library.call_info(grad_mask, q, k, v, g, beta, initial_state), backend)
+    # an implementation that can write the final state over the initial one does (the caller copies otherwise)
+    extra = {"inplace_final_state": True} if inplace and getattr(impl, "inplace_final_state", False) else {}
 
     def run(q_, k_, v_, g_, b_, h0):
-        o, final = impl(q_, k_, v_, g_, b_, scale, h0, output_final_state, l2, cu_seqlens)
+        o, final = impl(q_, k_, v_, g_, b_, scale, h0, output_final_state, l2, cu_seqlens, **extra)
         return o, (final if output_final_state else None)
 
     return _library.run_forward([q, k, v, g, beta, initial_state], grad_mask, run, q.device.type)
@@ -142,4 +168,15 @@ def _recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   output_final_state: bool, use_qk_l2norm_in_kernel: bool, backend: str | None,
                   grad_mask: list[bool], validate: bool) -> list[torch.Tensor]:
     return _gdn_run(RECURRENT, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                    use_qk_l2norm_in_kernel, backend, grad_mask, validate)
+                    use_qk_l2norm_in_kernel, backend, grad_mask, validate, _INPLACE.on)
+
+
+class _Inplace(threading.local):
+    """An eager call of the recurrent op asked for its final state over its initial state. Only eager calls
+    (the op's implementation run directly) set it: the custom op a compiled graph calls declares no mutation,
+    and the public op copies there instead."""
+
+    on = False
+
+
+_INPLACE = _Inplace()

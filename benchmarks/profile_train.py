@@ -73,9 +73,14 @@ def _profiler():
     return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
 
 
-def _tables(prof) -> dict:
+def _tables(prof, steps: int) -> dict:
+    """The profile's top tables, and the device time per step (the sum of every kernel's own time)."""
     cuda = torch.cuda.is_available()
+    events = prof.key_averages()
+    own = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
     return {"by_cuda_time": _top(prof, "cuda_time_total") if cuda else None,
+            "by_self_cuda_time": _top(prof, "self_cuda_time_total", 40) if cuda else None,
+            "device_ms_per_step": own / 1000 / steps if cuda else None,
             "by_cpu_time": _top(prof, "cpu_time_total")}
 
 
@@ -84,7 +89,7 @@ def _profile(run_step, steps: int) -> dict:
         for _ in range(steps):
             run_step()
         _sync()
-    return _tables(prof)
+    return _tables(prof, steps)
 
 
 def main(argv=None) -> int:
@@ -93,7 +98,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", help="JSON file to write")
     p.add_argument("--profile-steps", type=int, default=3, help="steady steps under torch.profiler (default 3)")
+    p.add_argument("--fla-lift-hopper-guard", action="store_true",
+                   help="with FLA installed and --no-deltafuse: set fla.ops.common.chunk_o.IS_NVIDIA_HOPPER=False "
+                        "where FLA refuses its GDN backward (Hopper, Triton < 3.7.1), for timing only: its "
+                        "gradients are known to be wrong there")
     args = p.parse_args(ours)
+    if args.fla_lift_hopper_guard and "--no-deltafuse" not in train_argv:
+        p.error("--fla-lift-hopper-guard times FLA's route: add --no-deltafuse after --")
+    from deltafuse.bench.impls import lifted_fla_hopper_guard
+
+    with lifted_fla_hopper_guard(args.fla_lift_hopper_guard):
+        return _run(args, train_argv)
+
+
+def _run(args, train_argv) -> int:
     import transformers
 
     from deltafuse.train.cli import main as train_main
@@ -128,7 +146,7 @@ def main(argv=None) -> int:
             captured["times"].append(time.perf_counter() - self.t0)
             if self.prof is not None and state.global_step == state.max_steps:
                 self.prof.__exit__(None, None, None)
-                captured["profile"] = _tables(self.prof)
+                captured["profile"] = _tables(self.prof, args.profile_steps)
                 self.prof = None
 
     def train(self, *a, **kw):
@@ -203,6 +221,7 @@ def main(argv=None) -> int:
     result["summary"] = {
         "trainer_median_s_after_step3": med(steady), "loop_median_s": med(times[3:] or times),
         "trainer_max_after_step3": max(steady) if steady else None,
+        "loop_device_ms_per_step": result["loop_profile"]["device_ms_per_step"],
         "compiles_per_step": {s: sum(1 for e in log.events if e["step"] == s)
                               for s in sorted({e["step"] for e in log.events})},
         "compile_seconds_per_step": {s: round(sum(e["seconds"] or 0 for e in log.events if e["step"] == s), 3)

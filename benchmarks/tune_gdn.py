@@ -1,0 +1,210 @@
+"""Sweep of the chunked GDN kernels' options on one GPU: accuracy, per-stage time and peak memory per variant.
+
+Each variant is a set of ``ChunkOptions`` overrides. For each: the relative RMS error of o and of every gradient
+against the float64 step-by-step oracle (computed once, at ``--check-shape``, on fresh random data), then at
+every shape the forward and forward+backward medians (``triton.testing.do_bench``), the device time of every
+stage (CUDA events between kernel launches, median of ``--iters`` runs) and the peak memory of one
+forward+backward. Stages are timed separately so the best setting of each kernel can be read off across
+variants; a combination is only adopted after it has passed the oracle itself (rerun it as a variant).
+
+    python benchmarks/tune_gdn.py --out sweep.json                     # the built-in sweep, every shape
+    python benchmarks/tune_gdn.py --out a.json --part 0/2              # half the variants (one GPU of two)
+    python benchmarks/tune_gdn.py --out b.json --variants 'bv_hfwd=64,warps_hfwd=4;prod_wy=16'
+
+Writes JSON and prints a markdown table (variant x shape: fwd, fwd+bwd, the slowest stages, errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from bench_gdn import SHAPES, make, rel, stack  # noqa: E402
+
+from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
+from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
+
+# Bundles that change one kind of setting across all kernels at once, so that one run per bundle gives every
+# stage's time under that setting (stage times are read per kernel).
+SWEEP = [
+    "",  # the defaults
+    "fwd_prod_wh=16,fwd_prod_kv=16",
+    "prod_wy=16,prod_bo=16,bwd_partials=input",
+    "bv_hfwd=64,warps_hfwd=4,bv_out=128,warps_out=8,bv_state=64,warps_state=4,bv_sbwd=64,warps_sbwd=4,"
+    "bv_wy=64,bv_bo=64,warps_bo=4,bt_red=64",
+    "bv_hfwd=16,warps_hfwd=4,bv_out=32,bv_state=16,warps_state=4,bv_sbwd=16,warps_sbwd=4,warps_wy=4,warps_bo=4",
+    "bv_hfwd=32,warps_hfwd=4,bv_state=32,warps_state=4,bv_sbwd=32,warps_sbwd=4,bv_intra=64,warps_dvl=8",
+    "stages=3,stages_hfwd=3,stages_out=3,stages_sbwd=3,stages_dvl=3,stages_wy=3,stages_bo=3",
+    "stages=1,stages_hfwd=1,stages_out=1,stages_sbwd=1,stages_dvl=1,stages_wy=1,stages_bo=1",
+    "bo_two_pass=1,bk_out=128,warps_intra=8,warps_red=8",
+    "bv_hfwd=64,warps_hfwd=8,bv_state=64,warps_state=8,bv_sbwd=64,warps_sbwd=8,fwd_prod_wh=16,fwd_prod_kv=16",
+]
+
+TOL = {"o": 3e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 1e-2, "dbeta": 1e-2}
+
+
+def parse_variant(spec: str) -> chunk_mod.ChunkOptions:
+    base = chunk_mod.DEFAULT_OPTIONS
+    over = {}
+    for kv in filter(None, spec.split(",")):
+        key, _, val = kv.partition("=")
+        if not hasattr(base, key):
+            raise SystemExit(f"--variants: {key!r} is not a ChunkOptions field; allowed: "
+                             f"{', '.join(f.name for f in dataclasses.fields(base))}")
+        old = getattr(base, key)
+        over[key] = (val in ("1", "true", "True")) if isinstance(old, bool) else (
+            int(val) if isinstance(old, int) else val)
+    return dataclasses.replace(base, **over)
+
+
+def ours(q, k, v, g, beta):
+    return chunk_mod.chunk_gated_delta_rule_triton(q, k, v, g, beta, q.shape[-1] ** -0.5, None, False, True)[0]
+
+
+class Oracle:
+    """float64 outputs and gradients at one shape, for one fixed random draw (computed once)."""
+
+    def __init__(self, shape):
+        B, T, H, HV, D = shape
+        self.xs = make(B, T, H, HV, D, seed=1)
+        b = [x.double().requires_grad_() for x in self.xs]
+        ro, _ = naive_gated_delta_rule(*b, D**-0.5, None, False, True)
+        self.do = torch.randn_like(ro)
+        (ro * self.do).sum().backward()
+        self.o = ro.detach()
+        self.grads = [x.grad for x in b]
+
+    def errors(self):
+        a = [x.clone().requires_grad_() for x in self.xs]
+        o = ours(*a)
+        (o.double() * self.do).sum().backward()
+        errs = {"o": rel(o, self.o)}
+        for n, x, y in zip(("q", "k", "v", "g", "beta"), a, self.grads):
+            errs["d" + n] = rel(x.grad, y)
+        return errs, all(errs[n] <= t for n, t in TOL.items())
+
+
+def stages(shape, iters):
+    B, T, H, HV, D = shape
+    xs = [x.requires_grad_() for x in make(B, T, H, HV, D, seed=0)]
+    do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+    marks, prefix, per = [], ["f:"], {}
+
+    def hook(name):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        marks.append((prefix[0] + name, e))
+
+    opts = chunk_mod._in_effect[0]
+    for it in range(iters + 2):
+        marks.clear()
+        prefix[0] = "f:"
+        with chunk_mod.configured(opts, stage_hook=hook):
+            hook("start")
+            o = ours(*xs)
+            prefix[0] = "b:"
+            hook("start")
+            torch.autograd.backward(o, do)
+        torch.cuda.synchronize()
+        for x in xs:
+            x.grad = None
+        if it >= 2:
+            for (_, e0), (n1, e1) in zip(marks[:-1], marks[1:]):
+                if not n1.endswith("start"):
+                    per.setdefault(n1, []).append(e0.elapsed_time(e1))
+    return {n: sorted(v)[len(v) // 2] for n, v in per.items()}
+
+
+def totals(shape, rep_ms):
+    B, T, H, HV, D = shape
+    xs = [x.requires_grad_() for x in make(B, T, H, HV, D, seed=0)]
+    do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+
+    def fwd():
+        return ours(*xs)
+
+    def fwdbwd():
+        torch.autograd.backward(ours(*xs), do)
+
+    fwdbwd()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for x in xs:
+        x.grad = None
+    fwdbwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    t_f = triton.testing.do_bench(fwd, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
+    t_fb = triton.testing.do_bench(fwdbwd, warmup=max(rep_ms // 4, 5), rep=rep_ms, grad_to_none=xs,
+                                   return_mode="median")
+    return t_f, t_fb, peak
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--variants", default=None, help="semicolon-separated ChunkOptions overrides (an empty item "
+                    "is the defaults); default: the built-in sweep")
+    ap.add_argument("--part", default="0/1", help="i/n: run every n-th variant starting at i (split over GPUs)")
+    ap.add_argument("--shapes", default="all", help="'all' or indices into bench_gdn.SHAPES, e.g. 0,1")
+    ap.add_argument("--check-shape", default="1,1024,16,32,128", help="B,T,H,HV,D of the oracle check")
+    ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--iters", type=int, default=8, help="runs per stage timing")
+    args = ap.parse_args()
+    specs = SWEEP if args.variants is None else args.variants.split(";")
+    try:
+        i, n = (int(x) for x in args.part.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--part must be i/n with 0 <= i < n, got {args.part!r}") from None
+    specs = specs[i::n]
+    opts = [parse_variant(s) for s in specs]  # every spec checked before the GPU work starts
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(j)] for j in args.shapes.split(",")]
+    oracle = Oracle(tuple(int(x) for x in args.check_shape.split(",")))
+    result = {"stack": stack(), "check_shape": args.check_shape, "variants": []}
+    for spec, opt in zip(specs, opts):
+        row = {"variant": spec or "defaults", "shapes": {}}
+        with chunk_mod.configured(opt):
+            try:
+                row["errors"], row["correct"] = oracle.errors()
+                for shape in shapes:
+                    t_f, t_fb, peak = totals(shape, args.rep_ms)
+                    row["shapes"][str(shape)] = dict(fwd_ms=t_f, fwdbwd_ms=t_fb, peak_gib=peak,
+                                                     stages=stages(shape, args.iters))
+                    torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001 - a variant that fails to compile or run is reported
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        result["variants"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    lines = ["| variant | ok | max err (o, dq, dk) | " + " | ".join(f"{s[0]}x{s[1]} fwd / f+b ms" for s in shapes)
+             + " |", "| --- | --- | --- | " + " | ".join("---" for _ in shapes) + " |"]
+    for row in result["variants"]:
+        if "error" in row:
+            lines.append(f"| {row['variant']} | error | {row['error'][:80]} |")
+            continue
+        e = row["errors"]
+        cells = [f"{row['shapes'][str(s)]['fwd_ms']:.2f} / {row['shapes'][str(s)]['fwdbwd_ms']:.2f}"
+                 for s in shapes if str(s) in row["shapes"]]
+        lines.append(f"| {row['variant']} | {'yes' if row['correct'] else 'NO'} | "
+                     f"{e['o']:.1e}, {e['dq']:.1e}, {e['dk']:.1e} | " + " | ".join(cells) + " |")
+    result["table"] = "\n".join(lines)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(result["table"])
+
+
+if __name__ == "__main__":
+    main()

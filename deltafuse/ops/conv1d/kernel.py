@@ -54,25 +54,32 @@ class ConvOptions:
 
     ``*_block_c``: channels per program (a power of two); ``*_block_t``: tokens per program (any int >= 1;
     the backward adds W-1 warm-up steps); ``*_warps``: warps per program (a power of two); ``*_stages``:
-    software-pipeline depth of the token loop (1: no pipelining). ``update_*``: the decoding kernel.
+    Triton's software-pipelining depth of the token loop (1: none); ``*_prefetch``: rows loaded ahead by the
+    kernel itself, 0 to 4 (each step then waits only for a load issued that many steps earlier: the loads in
+    flight that keep memory busy). ``update_*``: the decoding kernel.
     """
 
     fwd_block_c: int = 256
     fwd_block_t: int = 64
     fwd_warps: int = 1
-    fwd_stages: int = 4
+    fwd_stages: int = 1
+    fwd_prefetch: int = 4
     bwd_block_c: int = 128
     bwd_block_t: int = 64
     bwd_warps: int = 1
-    bwd_stages: int = 4
+    bwd_stages: int = 1
+    bwd_prefetch: int = 4
     update_block_c: int = 256
     update_warps: int = 2
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ConvOptions.{f.name}={value!r}; allowed: an int >= 1")
+            low = 0 if f.name.endswith("_prefetch") else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"ConvOptions.{f.name}={value!r}; allowed: an int >= {low}")
+            if f.name.endswith("_prefetch") and value > 4:
+                raise ValueError(f"ConvOptions.{f.name}={value!r}; allowed: 0 to 4")
             if f.name.endswith(("_block_c", "_warps")) and value & (value - 1):
                 raise ValueError(f"ConvOptions.{f.name}={value!r}; allowed: a power of two")
 
@@ -80,7 +87,8 @@ class ConvOptions:
 DEFAULT_OPTIONS = ConvOptions()
 # Under the interpreter: blocks of 8 channels and 4 tokens, so that tiny test shapes cross block edges.
 INTERPRET_OPTIONS = ConvOptions(fwd_block_c=8, fwd_block_t=4, fwd_warps=1, fwd_stages=1, bwd_block_c=8,
-                                bwd_block_t=4, bwd_warps=1, bwd_stages=1, update_block_c=8, update_warps=1)
+                                bwd_block_t=4, bwd_warps=1, bwd_stages=1, update_block_c=8, update_warps=1,
+                                fwd_prefetch=2, bwd_prefetch=3)
 _in_effect: list = [None]  # options set by ``configured``, else None (the defaults for the device)
 
 
@@ -127,6 +135,22 @@ def _xe_row(X, INIT, b, c64, cm, q, T, sxb, sxc, sxt, sib, sic, sis,
 
 
 @triton.jit
+def _raw_row(row, t, T, st, cm):
+    """Row t of a [T, BC] stream (x or dy) as stored; 0 outside [0, T)."""
+    return tl.load(row + tl.minimum(tl.maximum(t, 0), T - 1).to(tl.int64) * st, mask=_both(cm, (t >= 0) & (t < T)),
+                   other=0.0)
+
+
+@triton.jit
+def _prefetch(row, t, T, st, cm, k: tl.constexpr, PF: tl.constexpr):
+    """Row t + k - 1 when it is one of the PF rows loaded ahead (k <= PF), else nothing (an unused 0)."""
+    if k <= PF:
+        return _raw_row(row, t + k - 1, T, st, cm)
+    else:
+        return 0.0
+
+
+@triton.jit
 def _seq_row(SID, b, q, T, ssb, W: tl.constexpr):
     """Sequence id of extended position q (history positions take the row's first token's id)."""
     return tl.load(SID + b * ssb + tl.minimum(tl.maximum(q - (W - 1), 0), T - 1))
@@ -145,7 +169,7 @@ def _tap(WGT, c64, cm, k: tl.constexpr, W: tl.constexpr):
 def _conv_fwd_kernel(X, INIT, SID, WGT, BIAS, Y, T, C, sxb, sxc, sxt, sib, sic, sis, ssb, syb, syc, syt,
                      W: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SID: tl.constexpr, HAS_BIAS: tl.constexpr,
                      ACT: tl.constexpr, X_DT: tl.constexpr, W_DT: tl.constexpr,
-                     BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr):
+                     BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr, PF: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
     t0 = tl.program_id(0) * BT
     c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -173,11 +197,34 @@ def _conv_fwd_kernel(X, INIT, SID, WGT, BIAS, Y, T, C, sxb, sxc, sxt, sib, sic, 
         s3 = _seq_row(SID, b, t0 + W - 4, T, ssb, W)
     xrow = X + b * sxb + c64 * sxc
     yrow = Y + b * syb + c64 * syc
+    # rows t0 .. t0+PF-1 loaded ahead; each step loads the row PF ahead, so PF loads are in flight
+    n1 = _prefetch(xrow, t0, T, sxt, cm, 1, PF)
+    n2 = _prefetch(xrow, t0, T, sxt, cm, 2, PF)
+    n3 = _prefetch(xrow, t0, T, sxt, cm, 3, PF)
+    n4 = _prefetch(xrow, t0, T, sxt, cm, 4, PF)
     for i in tl.range(0, BT, num_stages=STAGES):
         t = t0 + i
         ok = t < T
         t64 = tl.minimum(t, T - 1).to(tl.int64)
-        a0 = tl.load(xrow + t64 * sxt, mask=_both(cm, ok), other=0.0).to(W_DT).to(tl.float32)
+        if PF == 0:
+            raw = _raw_row(xrow, t, T, sxt, cm)
+        else:
+            raw = n1
+            if PF == 1:
+                n1 = _raw_row(xrow, t + 1, T, sxt, cm)
+            elif PF == 2:
+                n1 = n2
+                n2 = _raw_row(xrow, t + 2, T, sxt, cm)
+            elif PF == 3:
+                n1 = n2
+                n2 = n3
+                n3 = _raw_row(xrow, t + 3, T, sxt, cm)
+            else:
+                n1 = n2
+                n2 = n3
+                n3 = n4
+                n4 = _raw_row(xrow, t + 4, T, sxt, cm)
+        a0 = raw.to(W_DT).to(tl.float32)
         acc = tl.zeros((BC,), dtype=tl.float32)
         if HAS_SID:
             s0 = tl.load(SID + b * ssb + t64)
@@ -227,7 +274,7 @@ def _conv_bwd_kernel(X, INIT, SID, WGT, BIAS, DY, DX, DINIT, DW_PART, DB_PART, T
                      sxb, sxc, sxt, sib, sic, sis, ssb, sdyb, sdyc, sdyt, sdxb, sdxc, sdxt, sdib, sdic, sdis,
                      W: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SID: tl.constexpr, HAS_BIAS: tl.constexpr,
                      ACT: tl.constexpr, X_DT: tl.constexpr, W_DT: tl.constexpr,
-                     BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr):
+                     BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr, PF: tl.constexpr):
     """Owns extended positions (dx, d initial_states) and tokens (dw, dbias) q0 <= q < q0 + BT. Steps tokens
     t = q0-(W-1) .. q0+BT-1: the first W-1 only send their input gradient into the owned positions."""
     b = tl.program_id(2).to(tl.int64)
@@ -265,14 +312,58 @@ def _conv_bwd_kernel(X, INIT, SID, WGT, BIAS, DY, DX, DINIT, DW_PART, DB_PART, T
     dw2 = tl.zeros((BC,), dtype=tl.float32)
     dw3 = tl.zeros((BC,), dtype=tl.float32)
     db = tl.zeros((BC,), dtype=tl.float32)
+    xrow = X + b * sxb + c64 * sxc
     dyrow = DY + b * sdyb + c64 * sdyc
     dxrow = DX + b * sdxb + c64 * sdxc
+    # the step of token t reads x row t (its newest input) and dy row t: both streams are loaded PF rows ahead
+    ts = q0 - (W - 1)
+    nx1 = _prefetch(xrow, ts, T, sxt, cm, 1, PF)
+    nx2 = _prefetch(xrow, ts, T, sxt, cm, 2, PF)
+    nx3 = _prefetch(xrow, ts, T, sxt, cm, 3, PF)
+    nx4 = _prefetch(xrow, ts, T, sxt, cm, 4, PF)
+    ny1 = _prefetch(dyrow, ts, T, sdyt, cm, 1, PF)
+    ny2 = _prefetch(dyrow, ts, T, sdyt, cm, 2, PF)
+    ny3 = _prefetch(dyrow, ts, T, sdyt, cm, 3, PF)
+    ny4 = _prefetch(dyrow, ts, T, sdyt, cm, 4, PF)
     for i in tl.range(0, BT + W - 1, num_stages=STAGES):
-        t = q0 - (W - 1) + i  # the token of this step; its newest input is at extended position q = t + W-1
-        a0 = _xe_row(X, INIT, b, c64, cm, t + W - 1, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT)
-        t_ok = (t >= 0) & (t < T)
-        dy = tl.load(dyrow + tl.minimum(tl.maximum(t, 0), T - 1).to(tl.int64) * sdyt, mask=_both(cm, t_ok),
-                     other=0.0).to(tl.float32)
+        t = ts + i  # the token of this step; its newest input is at extended position t + W-1 (x row t)
+        if PF == 0:
+            rx = _raw_row(xrow, t, T, sxt, cm)
+            ry = _raw_row(dyrow, t, T, sdyt, cm)
+        else:
+            rx = nx1
+            ry = ny1
+            if PF == 1:
+                nx1 = _raw_row(xrow, t + 1, T, sxt, cm)
+                ny1 = _raw_row(dyrow, t + 1, T, sdyt, cm)
+            elif PF == 2:
+                nx1 = nx2
+                ny1 = ny2
+                nx2 = _raw_row(xrow, t + 2, T, sxt, cm)
+                ny2 = _raw_row(dyrow, t + 2, T, sdyt, cm)
+            elif PF == 3:
+                nx1 = nx2
+                ny1 = ny2
+                nx2 = nx3
+                ny2 = ny3
+                nx3 = _raw_row(xrow, t + 3, T, sxt, cm)
+                ny3 = _raw_row(dyrow, t + 3, T, sdyt, cm)
+            else:
+                nx1 = nx2
+                ny1 = ny2
+                nx2 = nx3
+                ny2 = ny3
+                nx3 = nx4
+                ny3 = ny4
+                nx4 = _raw_row(xrow, t + 4, T, sxt, cm)
+                ny4 = _raw_row(dyrow, t + 4, T, sdyt, cm)
+        a0 = rx.to(W_DT).to(tl.float32)
+        if HAS_INIT:  # the first W-1 steps of the row's first block read initial_states instead
+            q = t + W - 1
+            h = tl.load(INIT + b * sib + c64 * sic + tl.minimum(tl.maximum(q, 0), W - 2).to(tl.int64) * sis,
+                        mask=_both(cm, (q >= 0) & (q < W - 1)), other=0.0)
+            a0 += h.to(X_DT).to(W_DT).to(tl.float32)
+        dy = ry.to(tl.float32)
         m1 = h1
         m2 = h2
         m3 = h3
@@ -420,7 +511,7 @@ class _CausalConv1d(torch.autograd.Function):
                 xc, init if init is not None else dummy, sid if sid is not None else dummy, weight_c,
                 bias if bias is not None else dummy, y, T, C, *xc.stride(),
                 *(init.stride() if init is not None else (0, 0, 0)), sid.stride(0) if sid is not None else 0,
-                *y.stride(), BT=opts.fwd_block_t, BC=opts.fwd_block_c, STAGES=opts.fwd_stages,
+                *y.stride(), BT=opts.fwd_block_t, BC=opts.fwd_block_c, STAGES=opts.fwd_stages, PF=opts.fwd_prefetch,
                 num_warps=opts.fwd_warps, **flags)
         ctx.save_for_backward(xc, weight_c, bias, init, sid)
         ctx.flags = flags
@@ -449,7 +540,8 @@ class _CausalConv1d(torch.autograd.Function):
                 db_part if db_part is not None else dummy, T, C, n_qt, *x.stride(),
                 *(init.stride() if init is not None else (0, 0, 0)), sid.stride(0) if sid is not None else 0,
                 *dy.stride(), *dx.stride(), *(dinit.stride() if dinit is not None else (0, 0, 0)),
-                BT=opts.bwd_block_t, BC=opts.bwd_block_c, STAGES=opts.bwd_stages, num_warps=opts.bwd_warps,
+                BT=opts.bwd_block_t, BC=opts.bwd_block_c, STAGES=opts.bwd_stages, PF=opts.bwd_prefetch,
+                num_warps=opts.bwd_warps,
                 **flags)
         else:
             dx.zero_()

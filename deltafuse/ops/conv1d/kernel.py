@@ -20,9 +20,11 @@ Both passes walk the time axis: a program owns a block of channels (one [BC] vec
 the [B, T, C] layout, so every load and store is a coalesced row) and a block of BT tokens, and steps token
 by token keeping the last W-1 inputs (and in the backward the W pending input gradients) in registers. So
 each input element is read once from memory (plus a halo of W-1 rows per block, 2(W-1) in the backward), pre
-and its sigmoid are computed once per element, and the output is written once; the loop's loads are
-software-pipelined (``stages``). dw / dbias accumulate per channel in registers (no reduction inside a
-program) and each program writes one fp32 partial; one torch sum over the blocks finishes them.
+and its sigmoid are computed once per element, and the output is written once. The loops load their rows
+``prefetch`` steps ahead themselves (Triton's pipeliner does not take loads that feed no dot), so a step
+waits only on a load issued steps earlier. dw / dbias accumulate per channel in registers (no reduction
+inside a program) and each program writes one fp32 partial [W, BC]; one torch sum over the blocks finishes
+them. The incoming gradient is read in place when it has x's layout (the GDN layer's transposed view).
 
 ``causal_conv1d_update_triton`` is the decoding step: one launch reads the state window and the new inputs
 and writes the outputs and the shifted state in place (no host synchronisation).

@@ -342,3 +342,18 @@ def test_gpu_update_bf16_qwen35_moe_width(B):
         assert torch.equal(state, ref_state), f"conv_state at step {step}"
         assert_rel_close(out, ref64, 1e-2, "out")
         assert rel_rms(out, ref64) <= 1.25 * rel_rms(ref, ref64) + 1e-3
+
+
+@pytest.mark.parametrize("opts", [ConvOptions(update_block_c=2, update_warps=2), ConvOptions(update_block_c=64)])
+def test_update_options(opts):
+    gen = torch.Generator().manual_seed(31)
+    B, C, W = 2, 11, 4
+    w, bvec = torch.randn(C, W, generator=gen).to(DEVICE), torch.randn(C, generator=gen).to(DEVICE)
+    state = torch.randn(B, C, W, generator=gen).to(DEVICE)
+    ref_state = state.clone()
+    x = torch.randn(B, C, 2, generator=gen).to(DEVICE)
+    with configured(opts):
+        out = causal_conv1d_update_triton(x, state, w, bvec, "silu")
+    ref = causal_conv1d_update_torch(x, ref_state, w, bvec, "silu")
+    assert_rel_close(out, ref, 2e-6, "out")
+    assert torch.equal(state, ref_state)

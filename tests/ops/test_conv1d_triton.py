@@ -13,9 +13,10 @@ import torch
 triton = pytest.importorskip("triton")
 
 from deltafuse.ops.conv1d import kernel as conv_kernel  # noqa: E402
-from deltafuse.ops.conv1d.kernel import causal_conv1d_fn_triton  # noqa: E402
+from deltafuse.ops.conv1d.kernel import (ConvOptions, causal_conv1d_fn_triton,  # noqa: E402
+                                         causal_conv1d_update_triton, configured)
 from deltafuse.ops.conv1d.naive import naive_causal_conv1d  # noqa: E402
-from deltafuse.ops.conv1d.reference import causal_conv1d_fn_torch  # noqa: E402
+from deltafuse.ops.conv1d.reference import causal_conv1d_fn_torch, causal_conv1d_update_torch  # noqa: E402
 from tests.helpers import DEVICE, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402
 
 if DEVICE == "cpu" and not isinstance(conv_kernel._conv_fwd_kernel, triton.runtime.interpreter.InterpretedFunction):
@@ -166,3 +167,193 @@ def test_random_configurations_match_torch_reference():
         for name, a, r in zip(["out", "final", "dx", "dweight", "dbias/dinit", "dinit"], *res):
             if r.numel():
                 assert_rel_close(a, r, 2e-6, f"{name} (B={B} C={C} T={T} W={W} {mode} act={act})")
+
+
+# --- options: every field of ConvOptions changes what the kernels run and the results stay exact ------------
+OPTION_SETS = [
+    # one token per block (every step is a block edge), no prefetch, Triton pipelining on
+    ConvOptions(fwd_block_c=4, fwd_block_t=1, fwd_warps=2, fwd_stages=2, fwd_prefetch=0,
+                bwd_block_c=4, bwd_block_t=1, bwd_warps=2, bwd_stages=2, bwd_prefetch=0),
+    # blocks of 3 and 5 tokens (not powers of two), prefetch 1 and 4
+    ConvOptions(fwd_block_c=16, fwd_block_t=3, fwd_prefetch=1, bwd_block_c=2, bwd_block_t=5, bwd_prefetch=4),
+    # blocks longer than the row, prefetch 2 and 3
+    ConvOptions(fwd_block_c=32, fwd_block_t=64, fwd_prefetch=4, bwd_block_c=32, bwd_block_t=64, bwd_prefetch=2,
+                fwd_warps=4, bwd_warps=4),
+    ConvOptions(fwd_block_c=8, fwd_block_t=2, fwd_prefetch=3, bwd_block_c=8, bwd_block_t=2, bwd_prefetch=1),
+]
+
+
+@pytest.mark.parametrize("opts", OPTION_SETS, ids=lambda o: f"c{o.fwd_block_c}t{o.fwd_block_t}p{o.fwd_prefetch}-"
+                                                        f"c{o.bwd_block_c}t{o.bwd_block_t}p{o.bwd_prefetch}")
+def test_every_option_with_resets_across_block_edges(opts):
+    """Sequences of 1, 2, 3 and 5 tokens put resets at every offset inside and at the edges of the blocks."""
+    lengths = [2, 1, 5, 3, 1, 2]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    with configured(opts):
+        check(1, 9, sum(lengths), 4, cu=cu, seed=11)
+        check(2, 5, 7, 3, layout_btc=False, seed=12, act=None)
+        seq_idx = torch.tensor([[0, 0, 1, 1, 1, 2, 3], [4, 4, 4, 4, 5, 5, 5]], dtype=torch.int32, device=DEVICE)
+        check(2, 6, 7, 4, seq_idx=seq_idx, seed=13)
+
+
+def test_options_are_recorded_by_the_forward_for_its_backward():
+    """A backward run outside the ``configured`` block still uses the forward's options (and is exact)."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, b, h0 = _inputs(1, 6, 9, 4, bias=True, init=True, layout_btc=True, gen=gen)
+    dout = torch.randn(1, 6, 9, generator=gen).to(DEVICE)
+    grads = []
+    for opts in (OPTION_SETS[0], None):
+        leaves = [t.detach().requires_grad_() for t in (x, w, b, h0)]
+        with configured(opts):
+            out = causal_conv1d_fn_triton(leaves[0], leaves[1], leaves[2], "silu", initial_states=leaves[3])
+        out.backward(dout)
+        grads.append([t.grad for t in leaves])
+    for a, r in zip(*grads):
+        assert_rel_close(a, r, 2e-6)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(fwd_block_c=6), "fwd_block_c=6; allowed: a power of two"),
+    (dict(bwd_warps=3), "bwd_warps=3; allowed: a power of two"),
+    (dict(bwd_block_t=0), "bwd_block_t=0; allowed: an int >= 1"),
+    (dict(fwd_prefetch=5), "fwd_prefetch=5; allowed: 0 to 4"),
+    (dict(bwd_prefetch=-1), "bwd_prefetch=-1; allowed: an int >= 0"),
+    (dict(fwd_stages=True), "fwd_stages=True; allowed: an int >= 1"),
+    (dict(update_block_c=2.0), "update_block_c=2.0; allowed: an int >= 1"),
+])
+def test_options_refuse_bad_values_by_name(bad, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+        ConvOptions(**bad)
+    with pytest.raises(TypeError, match="options must be a ConvOptions"):
+        with configured({"fwd_block_c": 8}):
+            pass
+
+
+def test_incoming_gradient_in_another_layout():
+    """dy laid out [B, C, T] against x in the [B, T, C] layout (and the reverse): the same gradients."""
+    gen = torch.Generator().manual_seed(8)
+    for layout_btc in (True, False):
+        x, w, b, h0 = _inputs(2, 7, 10, 4, bias=True, init=True, layout_btc=layout_btc, gen=gen)
+        dy = torch.randn(2, 10, 7, generator=gen).transpose(1, 2).to(DEVICE)
+        if layout_btc:
+            dy = dy.contiguous()
+        res = []
+        for fn, cast in ((causal_conv1d_fn_triton, torch.float32), (naive_causal_conv1d, torch.float64)):
+            leaves = [t.detach().to(cast).requires_grad_() for t in (x, w, b, h0)]
+            fn(leaves[0], leaves[1], leaves[2], "silu", initial_states=leaves[3]).backward(dy.to(cast))
+            res.append([t.grad for t in leaves])
+        for name, a, r in zip(("dx", "dweight", "dbias", "dinitial"), *res):
+            assert_rel_close(a, r, 2e-6, name)
+
+
+def test_width_over_four_is_refused_by_name_and_routed_to_torch():
+    from deltafuse.backends import REGISTRY, call_info
+    from deltafuse.ops.conv1d.candidates import CONV
+
+    x, w = torch.randn(1, 3, 6, device=DEVICE), torch.randn(3, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="W from 1 to 4, got W=5"):
+        causal_conv1d_fn_triton(x, w)
+    rows = {d.candidate: d for d in REGISTRY.explain(CONV, call_info(x, w), backend="triton")}
+    assert "kernel width W=5 is over 4" in rows["triton"].reason
+    rows = {d.candidate: d for d in REGISTRY.explain(CONV, call_info(x, w[:, :4]), backend="triton")}
+    assert rows["triton"].chosen
+
+
+# --- the decoding update ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("B,C,W,S,T_new", [(1, 5, 4, 4, 1), (3, 19, 4, 3, 1), (2, 9, 4, 4, 3), (2, 6, 3, 6, 2),
+                                           (1, 4, 1, 2, 1), (2, 7, 5, 4, 2), (2, 4, 2, 1, 4)])
+@pytest.mark.parametrize("bias,act", [(True, "silu"), (False, None)])
+def test_update_matches_torch_reference_over_steps(B, C, W, S, T_new, bias, act):
+    """Several steps in a row: outputs close to the torch function's, conv_state equal to its after every step
+    (state updated in place, x given in the transposed [B, T, C] layout too, B > 1)."""
+    gen = torch.Generator().manual_seed(B * 100 + C + W * S + T_new)
+    w = torch.randn(C, W, generator=gen).to(DEVICE)
+    bvec = torch.randn(C, generator=gen).to(DEVICE) if bias else None
+    state = torch.randn(B, C, S, generator=gen).to(DEVICE)
+    ref_state = state.clone()
+    for step in range(3):
+        x = torch.randn(B, T_new, C, generator=gen).transpose(1, 2).to(DEVICE)
+        if step == 1:
+            x = x.contiguous()
+        ptr = state.data_ptr()
+        out = causal_conv1d_update_triton(x, state, w, bvec, act)
+        ref = causal_conv1d_update_torch(x, ref_state, w, bvec, act)
+        assert state.data_ptr() == ptr
+        assert out.shape == (B, C, T_new) and out.dtype == x.dtype
+        assert_rel_close(out, ref, 2e-6, f"out at step {step}")
+        assert torch.equal(state, ref_state), f"conv_state at step {step}"
+
+
+def test_update_takes_two_dimensional_x_and_a_strided_state():
+    gen = torch.Generator().manual_seed(21)
+    B, C, W = 3, 10, 4
+    w, bvec = torch.randn(C, W, generator=gen).to(DEVICE), torch.randn(C, generator=gen).to(DEVICE)
+    big = torch.randn(B, C, 2 * W, generator=gen).to(DEVICE)
+    state = big[..., ::2]  # a strided view [B, C, W]: written in place through its strides
+    ref_state = state.clone()
+    untouched = big[..., 1::2].clone()
+    x = torch.randn(B, C, generator=gen).to(DEVICE)
+    out = causal_conv1d_update_triton(x, state, w, bvec, "silu")
+    ref = causal_conv1d_update_torch(x[..., None], ref_state, w, bvec, "silu")
+    assert out.shape == (B, C)
+    assert_rel_close(out, ref[..., 0], 2e-6, "out")
+    assert torch.equal(big[..., ::2], ref_state) and torch.equal(big[..., 1::2], untouched)
+
+
+def test_update_refuses_bad_arguments_by_name():
+    x, state, w = torch.randn(2, 4, 1), torch.randn(2, 4, 2), torch.randn(4, 4)
+    with pytest.raises(ValueError, match="S >= W-1 = 3"):
+        causal_conv1d_update_triton(x, state, w)
+    with pytest.raises(ValueError, match="activation='relu'"):
+        causal_conv1d_update_triton(x, torch.randn(2, 4, 4), w, activation="relu")
+    with pytest.raises(ValueError, match="got conv_state of dtype torch.float64"):
+        causal_conv1d_update_triton(x, torch.randn(2, 4, 4, dtype=torch.float64), w)
+
+
+def test_update_candidates_prefer_triton_and_never_for_a_differentiable_step():
+    from deltafuse.backends import REGISTRY, CallInfo
+    from deltafuse.ops.conv1d.candidates import CONV_UPDATE
+
+    assert [c.name for c in REGISTRY.candidates(CONV_UPDATE)] == ["triton", "torch"]
+    shapes = ((1, 8, 1), (8, 4), None)
+    cuda = CallInfo(torch.device("cuda", 0), torch.bfloat16, False, (), shapes)
+    assert [d.candidate for d in REGISTRY.explain(CONV_UPDATE, cuda) if d.chosen] == ["triton"]
+    grad = CallInfo(torch.device("cuda", 0), torch.bfloat16, True, (), shapes)
+    rows = {d.candidate: d for d in REGISTRY.explain(CONV_UPDATE, grad)}
+    assert rows["torch"].chosen and "no backward" in rows["triton"].reason
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("B", [1, 32])
+def test_gpu_update_bf16_qwen35_moe_width(B):
+    C, W = 8192, 4
+    gen = torch.Generator().manual_seed(B)
+    w = (torch.randn(C, W, generator=gen) * 0.5).to(DEVICE, torch.bfloat16)
+    bvec = torch.randn(C, generator=gen).to(DEVICE, torch.bfloat16)
+    state = torch.randn(B, C, W, generator=gen).to(DEVICE, torch.bfloat16)
+    ref_state = state.clone()
+    for step in range(3):
+        x = torch.randn(B, 1, C, generator=gen).transpose(1, 2).to(DEVICE, torch.bfloat16)
+        state64 = ref_state.double()  # a copy from before the step
+        out = causal_conv1d_update_triton(x, state, w, bvec, "silu")
+        ref = causal_conv1d_update_torch(x, ref_state, w, bvec, "silu")
+        ref64 = causal_conv1d_update_torch(x.double(), state64, w.double(), bvec.double(), "silu")
+        assert torch.equal(state, ref_state), f"conv_state at step {step}"
+        assert_rel_close(out, ref64, 1e-2, "out")
+        assert rel_rms(out, ref64) <= 1.25 * rel_rms(ref, ref64) + 1e-3
+
+
+@pytest.mark.parametrize("opts", [ConvOptions(update_block_c=2, update_warps=2), ConvOptions(update_block_c=64)])
+def test_update_options(opts):
+    gen = torch.Generator().manual_seed(31)
+    B, C, W = 2, 11, 4
+    w, bvec = torch.randn(C, W, generator=gen).to(DEVICE), torch.randn(C, generator=gen).to(DEVICE)
+    state = torch.randn(B, C, W, generator=gen).to(DEVICE)
+    ref_state = state.clone()
+    x = torch.randn(B, C, 2, generator=gen).to(DEVICE)
+    with configured(opts):
+        out = causal_conv1d_update_triton(x, state, w, bvec, "silu")
+    ref = causal_conv1d_update_torch(x, ref_state, w, bvec, "silu")
+    assert_rel_close(out, ref, 2e-6, "out")
+    assert torch.equal(state, ref_state)

@@ -39,14 +39,14 @@ SWEEP = [
     "",  # the defaults
     "fwd_prod_wh=16,fwd_prod_kv=16",
     "prod_wy=16,prod_bo=16,bwd_partials=input",
-    "bv_hfwd=64,warps_hfwd=4,bv_out=128,warps_out=8,bv_state=64,warps_state=4,bv_sbwd=64,warps_sbwd=4,"
+    "bv_hfwd=64,warps_hfwd=4,bv_out=128,warps_out=8,bv_sbwd=64,warps_sbwd=4,"
     "bv_wy=64,bv_bo=64,warps_bo=4,bt_red=64",
-    "bv_hfwd=16,warps_hfwd=4,bv_out=32,bv_state=16,warps_state=4,bv_sbwd=16,warps_sbwd=4,warps_wy=4,warps_bo=4",
-    "bv_hfwd=32,warps_hfwd=4,bv_state=32,warps_state=4,bv_sbwd=32,warps_sbwd=4,bv_intra=64,warps_dvl=8",
+    "bv_hfwd=16,warps_hfwd=4,bv_out=32,bv_sbwd=16,warps_sbwd=4,warps_wy=4,warps_bo=4",
+    "bv_hfwd=32,warps_hfwd=4,bv_sbwd=32,warps_sbwd=4,bv_intra=64,warps_dvl=8",
     "stages=3,stages_hfwd=3,stages_out=3,stages_sbwd=3,stages_dvl=3,stages_wy=3,stages_bo=3",
     "stages=1,stages_hfwd=1,stages_out=1,stages_sbwd=1,stages_dvl=1,stages_wy=1,stages_bo=1",
     "bo_two_pass=1,bk_out=128,warps_intra=8,warps_red=8",
-    "bv_hfwd=64,warps_hfwd=8,bv_state=64,warps_state=8,bv_sbwd=64,warps_sbwd=8,fwd_prod_wh=16,fwd_prod_kv=16",
+    "bv_hfwd=64,warps_hfwd=8,bv_sbwd=64,warps_sbwd=8,fwd_prod_wh=16,fwd_prod_kv=16",
 ]
 
 TOL = {"o": 3e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 1e-2, "dbeta": 1e-2}

@@ -396,7 +396,7 @@ def _out_reference(q, k, rq, rk, gc, hs, vn, chunks, scale):
     return o
 
 
-OUT_CASES = [(torch.float32, "x2", "x2"), (torch.float32, "tf32", "x2"), (torch.float32, "16", "x2"),
+OUT_CASES = [(torch.float32, "x2", "x2"), (torch.float32, "tf32", "x2"),
              (torch.float16, "x2", "x2"), (torch.float16, "x2", "tf32"), (torch.float16, "x2", "16")]
 
 
@@ -449,6 +449,8 @@ def test_fwd_v2_fp16(over):
 def test_fwd_v2_options_are_validated():
     with pytest.raises(ValueError, match="fwd_prod_sv='bf16'; allowed: 'tf32', '16', 'x2'"):
         chunk_mod.ChunkOptions(fwd_prod_sv="bf16")
+    with pytest.raises(ValueError, match="fwd_prod_qh='16' is refused .*allowed: 'x2', 'tf32'"):
+        chunk_mod.ChunkOptions(fwd_prod_qh="16")
     with pytest.raises(ValueError, match="bv_out=48; allowed: a power of two"):
         chunk_mod.ChunkOptions(bv_out=48)
     with pytest.raises(ValueError, match="stages_out=0; allowed: an int >= 1"):
@@ -474,7 +476,7 @@ FWD_GPU_OPTIONS = [
     dict(fwd_prod_wh="16", fwd_prod_kv="16"),
     dict(fwd_prod_wh="16"),
     dict(fwd_prod_kv="16"),
-    dict(fwd_store="fp32", fwd_prod_qh="16"),
+    dict(fwd_store="fp32"),
     dict(bv_hfwd=64, warps_hfwd=4, stages_hfwd=3),
     dict(bv_hfwd=16, warps_hfwd=4, stages_hfwd=1),
     dict(bv_hfwd=32, warps_hfwd=2, stages_hfwd=4),

@@ -139,8 +139,8 @@ class ChunkOptions:
     ``fwd_prod_*`` below). fp32 inputs always use fp32 storage and three-pass tf32 products.
     ``bv_<kernel>`` / ``warps_<kernel>``: value-tile width and warps per kernel; ``stages``: pipeline stages.
 
-    Forward kernels (the forward's sequential pass ``hfwd`` and its output kernel ``out``; the backward's
-    recompute of the sequential pass keeps ``bv_state`` / ``warps_state``): ``fwd_prod_<p>``: how a product of
+    Forward kernels (the forward's sequential pass ``hfwd``, which the backward recomputes with the same settings,
+    and its output kernel ``out``): ``fwd_prod_<p>``: how a product of
     a 16-bit operand with an fp32 one is computed: "x2" (the fp32 operand split into two 16-bit parts), "16"
     (rounded to 16 bits, one product) or "tf32" (one tf32 product); p is ``wh`` (w times the state, for v'),
     ``kv`` (k^T times the decayed v', the state update), ``qh`` (q times the stored state, when states are
@@ -156,25 +156,23 @@ class ChunkOptions:
     bwd_x2: bool = True
     bv_intra: int = 128
     warps_intra: int = 4
-    bv_state: int = 32
-    warps_state: int = 8
     bv_dvl: int = 128
     warps_dvl: int = 4
     bv_wy: int = 32
-    warps_wy: int = 8
+    warps_wy: int = 4
     bv_bo: int = 32
     warps_bo: int = 8
     stages: int = 2
     # forward kernels
-    fwd_prod_wh: str = "x2"
-    fwd_prod_kv: str = "x2"
+    fwd_prod_wh: str = "16"
+    fwd_prod_kv: str = "16"
     fwd_prod_qh: str = "x2"
     fwd_prod_sv: str = "x2"
     bv_hfwd: int = 32
-    warps_hfwd: int = 8
-    stages_hfwd: int = 2
+    warps_hfwd: int = 4
+    stages_hfwd: int = 3
     bv_out: int = 64
-    bk_out: int = 64
+    bk_out: int = 128
     warps_out: int = 4
     stages_out: int = 2
     # backward kernels
@@ -185,16 +183,16 @@ class ChunkOptions:
     # other backward kernels follow bwd_x2. _state_bwd has its own tiles (bv_sbwd, warps_sbwd, stages_sbwd);
     # _bwd_reduce takes bt_red tokens per program. bo_two_pass: _bwd_out makes two passes over the value blocks
     # (dq, then dk): one [64, K] fp32 accumulator live instead of two, for one more read of v' and h.
-    bwd_partials: str = "fp32"
-    prod_wy: str = "x2"
-    prod_bo: str = "x2"
+    bwd_partials: str = "input"
+    prod_wy: str = "16"
+    prod_bo: str = "16"
     bo_two_pass: bool = False
     bv_sbwd: int = 32
-    warps_sbwd: int = 8
+    warps_sbwd: int = 4
     stages_sbwd: int = 2
     stages_dvl: int = 2
     stages_wy: int = 2
-    stages_bo: int = 2
+    stages_bo: int = 3
     bt_red: int = 32
     warps_red: int = 4
 
@@ -204,6 +202,10 @@ class ChunkOptions:
                 raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: 'input', 'fp32'")
         if self.bwd_partials not in ("input", "fp32"):
             raise ValueError(f"ChunkOptions.bwd_partials={self.bwd_partials!r}; allowed: 'input', 'fp32'")
+        if self.fwd_prod_qh == "16":
+            # q times an fp32 state rounded to 16 bits in registers gave NaN outputs on an H200 with Triton 3.6
+            raise ValueError("ChunkOptions.fwd_prod_qh='16' is refused (NaN outputs on the H200 with Triton 3.6, "
+                             "BENCHMARKS.md); allowed: 'x2', 'tf32'")
         for name in ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo"):
             if getattr(self, name) not in _PROD_MODES:
                 raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: "
@@ -253,7 +255,7 @@ class _Cfg:
         self.X2 = (not full) and bool(getattr(opts, which + "_x2"))
         self.store = torch.float32 if (full or getattr(opts, which + "_store") == "fp32") else dtype
         vmax = max(16, triton.next_power_of_2(V))
-        names = ("intra", "state", "dvl", "wy", "bo")
+        names = ("intra", "dvl", "wy", "bo")
         self.bv = {n: min(vmax, 16 if interp else getattr(opts, "bv_" + n)) for n in names}
         # Head sizes under 64 (tiles of 16 or 32 columns) gave wrong outputs with 8 warps and illegal memory
         # accesses with 4 on the H200 (Triton 3.6); 2 warps are correct there (BENCHMARKS.md, small heads).
@@ -261,8 +263,6 @@ class _Cfg:
         warps = {n: getattr(opts, "warps_" + n) for n in names}
         self.nw = {n: 1 if interp else (min(2, warps[n]) if small else warps[n]) for n in names}
         self.stages = 1 if interp else opts.stages
-        # fp32 states in the reverse pass need the shared memory that load pipelining would take
-        self.stages_state = 1 if (interp or (which == "bwd" and self.store == torch.float32)) else self.stages
 
 
 def _mark(name: str) -> None:
@@ -394,13 +394,9 @@ def _backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0):
     rq, rk = (rq, rk) if L2 else (gc, gc)
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
     vn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
-    grid = (triton.cdiv(V, cfg.bv["state"]) * plan.N * HV,)
-    xm = _PROD_MODES["x2"] if cfg.X2 else _PROD_MODES["tf32"]
-    _state_fwd[grid](k, rk, w, u, gc, h0 if h0 is not None else gc, hs, vn, gc, plan.cu, plan.coff,
-                     BV=cfg.bv["state"], HAS_H0=h0 is not None, STORE_HT=False, WH=xm, KV=xm,
-                     **common, num_warps=cfg.nw["state"],
-                     num_stages=cfg.stages_state)
-    _mark("state_fwd")
+    # the forward's sequential pass again, with the forward's tiles and products: the backward differentiates
+    # exactly what the forward computed
+    _state_pass(k, rk, w, u, gc, h0, hs, vn, None, plan, cfg, _FwdCfg(cfg, full, K, V), L2)
     del u
     dvl = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
     if plan.NC:

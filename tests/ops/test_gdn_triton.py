@@ -540,17 +540,18 @@ def _v2_grads(xs, cu, do, dht, l2, options):
 
 # fp16 inputs (emulated by the interpreter, unlike bf16) take the 16-bit paths that fp32 inputs never reach:
 # split (x2) / rounded (16) / fp32 products and 16-bit partials
+V2_BASE = dict(bwd_partials="fp32", prod_wy="x2", prod_bo="x2")  # split products, fp32 partials
 V2_SWITCHES = [
-    dict(bwd_partials="input", prod_wy="16", prod_bo="16"),
+    dict(bwd_partials="input", prod_wy="16", prod_bo="16"),  # the defaults
     dict(prod_wy="tf32", prod_bo="tf32", bo_two_pass=True),
 ]
 
 
 @pytest.mark.parametrize("G,l2", [(2, True), (1, False)], ids=["G2_l2", "G1_nol2"])
 def test_bwd_v2_switches_fp16(G, l2):
-    """Every value of each backward switch ("x2" products and fp32 partials are the defaults), on fp16
-    inputs: every gradient within 2e-3 of float64 (the defaults land at 2e-4 to 5e-4 here), and dk (which every
-    switch reaches) not bit-equal to the default's, so the switch took effect."""
+    """Every value of each backward switch on fp16 inputs: every gradient within 2e-3 of float64 (split products
+    with fp32 partials land at 2e-4 to 5e-4 here), and dk (which every switch reaches) not bit-equal to that of
+    split products with fp32 partials, so the switch took effect."""
     H = 1 if G == 2 else 2
     cu = [0, 1, 70]
     xs, cu_t = make_inputs(1, 70, H, H * G, 16, 16, dtype=torch.float16, h0=True, cu=cu, l2=l2)
@@ -559,7 +560,7 @@ def test_bwd_v2_switches_fp16(G, l2):
                                      ref["initial_state"], True, l2, cu_t)
     do, dht = torch.randn_like(ro), torch.randn_like(rht)
     ((ro * do).sum() + (rht * dht).sum()).backward()
-    base = _v2_grads(xs, cu_t, do, dht, l2, chunk_mod.ChunkOptions())
+    base = _v2_grads(xs, cu_t, do, dht, l2, chunk_mod.ChunkOptions(**V2_BASE))
     for switches in [{}] + V2_SWITCHES:
         grads = base if not switches else _v2_grads(xs, cu_t, do, dht, l2, chunk_mod.ChunkOptions(**switches))
         for n, grad in grads.items():

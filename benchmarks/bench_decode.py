@@ -15,10 +15,17 @@ what a CUDA-graphed decoder pays). ``+cache`` rows add what the transformers cac
 (``state.copy_(new_state)``); deltafuse's route writes the new state in place, so its copy is a copy onto
 itself (free). Tokens/s = batch / (time of one token through ``--layers`` GDN layers).
 
+A row whose check fails (error above the tolerance, or not finite) shows FAIL and is not timed.
+
 Generate: dense8 (Qwen3.5-9B text config, 8 layers, random init, bf16) with a fixed random prompt, greedy,
-batch 1 and 32, stock transformers (its fallback, or FLA when importable: the JSON says which) and with
-deltafuse applied; decode tokens/s from the time of ``max_new_tokens`` minus the time of one new token
-(prefill), and whether the token ids match (else the first position where a row differs).
+batch 1 and 32, stock transformers and with deltafuse applied. The GDN column is read from the model's
+GatedDeltaNet layer (the recurrent op and conv update it calls: FLA, causal_conv1d or the torch fallbacks;
+the JSON lists each function's module). Each (impl, batch) first runs an untimed generate at the timed shapes
+(warm-up), then times one new token (prefill) and ``--new-tokens`` new tokens, each ``--gen-reps`` times
+(min). Decode tokens/s and ms per decode step come from the difference; none is reported when the full run
+is not slower than the prefill (a note says so). Whether the token ids match is reported (else the first
+position where a row differs). A last table lists ms per decode step by batch: equal across batches means
+the step is host-bound.
 
 Writes JSON (``--out``) and prints a markdown table last.
 """
@@ -87,13 +94,30 @@ def load_fla():
         return None, f"fla not importable: {type(e).__name__}: {e}"
 
     def fn(x, state):
-        return fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+        # FLA's signature is (q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, ...): everything after
+        # g goes by keyword (a positional beta would land in gk, the per-key decay, and leave beta unset).
+        # FLA handles HV > H itself (grouped value heads: value head i reads q/k head i // (HV // H), the
+        # same grouping as transformers' repeat_interleave), and its input guard makes the strided views
+        # contiguous (inside the timed region).
+        return fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"],
                                                 scale=x["q"].shape[-1] ** -0.5, initial_state=state,
                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
 
+    return fn, f"fla {_fla_version()} fused_recurrent".replace("  ", " ")
+
+
+def _fla_version():
     import importlib.metadata as md
 
-    return fn, f"fla {md.version('flash-linear-attention') if _has_dist('flash-linear-attention') else ''}".strip()
+    for dist in ("fla-core", "flash-linear-attention"):
+        if _has_dist(dist):
+            return md.version(dist)
+    try:
+        import fla
+
+        return getattr(fla, "__version__", "")
+    except Exception:  # noqa: BLE001
+        return ""
 
 
 def _has_dist(name):
@@ -117,7 +141,13 @@ def load_hf():
     fn0 = getattr(fn0, "__wrapped__", fn0)  # the torch fallback itself, not a hub kernel
 
     def fn(x, state):
+        # transformers <= 5.22's GDN layer repeats q/k ([B, T, H, K]) to the value heads before calling the
+        # op and its torch fallback assumes H == HV; later versions repeat inside the op (then H == HV here
+        # and they do nothing more). Done inside the timed region, as in the layer.
         q, k = x["q"], x["k"]
+        G = x["v"].shape[2] // q.shape[2]
+        if G > 1:
+            q, k = q.repeat_interleave(G, dim=2), k.repeat_interleave(G, dim=2)
         return fn0(q, k, x["v"], x["g"], x["beta"], initial_state=state, output_final_state=True,
                    use_qk_l2norm_in_kernel=True)
 
@@ -130,13 +160,22 @@ def rel(a, b):
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-300)).item()
 
 
-def check(fn, x):
+def check(fn, x, tol):
     ro, rh = naive_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5,
                                     x["h0"], True, True)
     state = x["h0"].clone()
     with torch.no_grad():
         o, ht = fn(x, state)
-    return {"rel_o": rel(o, ro), "rel_state": rel(ht, rh), "finite": bool(torch.isfinite(o).all())}
+    out = {"rel_o": rel(o, ro), "rel_state": rel(ht, rh),
+           "finite": bool(torch.isfinite(o).all() and torch.isfinite(ht).all())}
+    out["check"] = "ok" if out["finite"] and out["rel_o"] < tol and out["rel_state"] < tol else "FAIL"
+    return out
+
+
+def tolerance(dtype):
+    """Relative RMS error allowed against the float64 oracle: the output's rounding to the input dtype (bf16:
+    ~3e-3) with margin; fp32 (the smoke run) must be near exact."""
+    return 1e-4 if dtype == torch.float32 else 2e-2
 
 
 def _sync(device):
@@ -213,7 +252,13 @@ def op_rows(args, device, impls, shapes, results):
                 row = {"section": "op", "shape": label, "H": H, "HV": HV, "K": K, "V": V, "batch": B,
                        "impl": name, "layers": args.layers, "state_MiB_per_layer": round(state_mb, 2)}
                 try:
-                    row.update(check(fn, x))
+                    row.update(check(fn, x, tolerance(args.dtype)))
+                    if row["check"] != "ok":  # a wrong computation is not timed, nor compared
+                        row["note"] = (f"not timed: check failed against the float64 oracle (tolerance "
+                                       f"{tolerance(args.dtype):g}, finite={row['finite']})")
+                        results.append(row)
+                        print(json.dumps(row), flush=True)
+                        continue
                     for with_copy in (False, True):
                         suffix = "+cache" if with_copy else ""
                         t = time_eager(fn, x, states, with_copy, args.reps, device, args.warmup)
@@ -247,10 +292,16 @@ def sweep_rows(args, device, results):
                 row = {"section": "sweep", "batch": B, "bv": bv, "warps": warps}
                 try:
                     fn = impl_ours(True, opts)
-                    err = check(fn, x)
+                    err = check(fn, x, tolerance(torch.bfloat16))
+                    row.update(err)
+                    if err["check"] != "ok":
+                        row["note"] = "not timed: check failed"
+                        results.append(row)
+                        print(json.dumps(row), flush=True)
+                        continue
                     t = time_graph(fn, x, states, False, args.reps)
-                    row.update(err, us_per_call=t / args.layers * 1e6)
-                    if err["rel_o"] < 1e-2 and (best is None or t < best[0]):
+                    row.update(us_per_call=t / args.layers * 1e6)
+                    if best is None or t < best[0]:
                         best = (t, bv, warps)
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}"
@@ -263,16 +314,70 @@ def sweep_rows(args, device, results):
 
 
 # --- generate ----------------------------------------------------------------------------------------------
-def which_stock_gdn():
-    """What stock transformers' qwen3_5 decode step calls: FLA or its torch fallback."""
-    try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-    except Exception as e:  # noqa: BLE001
-        return f"unknown ({e})"
-    fn = getattr(m, "torch_recurrent_gated_delta_rule", None) or getattr(m, "fused_recurrent_gated_delta_rule", None)
-    mod = getattr(getattr(fn, "__wrapped__", fn), "__module__", "") if fn is not None else ""
-    resolved = getattr(fn, "__module__", "")
-    return "fla" if "fla" in (resolved + mod) and "transformers" not in resolved else "torch fallback"
+_GDN_ROLES = {  # layer attribute (transformers <= 5.22) -> module-level function (later versions)
+    "recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+    "chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
+    "causal_conv1d_update": "causal_conv1d_update",
+    "causal_conv1d_fn": "causal_conv1d_fn",
+}
+
+
+def _resolved(fn):
+    """The function a transformers hub-kernel fallback wrapper dispatches to (its ``implementation`` closure
+    cell: the original package's function, else the torch one), else ``fn`` itself."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    for name, cell in zip(code.co_freevars if code is not None else (), cells):
+        if name == "implementation":
+            with contextlib.suppress(ValueError):
+                return cell.cell_contents
+    return fn
+
+
+def _describe(fn):
+    if fn is None:
+        return "none (nn.Conv1d)"
+    fn = _resolved(fn)
+    mod = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"{mod}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def gdn_functions(model):
+    """What the model's first GatedDeltaNet layer object calls, read from the layer: the functions it holds as
+    attributes (transformers <= 5.22: FLA / causal_conv1d when importable, else the torch fallbacks), or the
+    module-level functions of its modeling file (later versions, where each is resolved through the
+    hub-kernel fallback decorator)."""
+    import sys as _sys
+
+    layer = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    if layer is None:
+        return {"error": "no GatedDeltaNet layer in the model"}
+    modeling = _sys.modules.get(type(layer).__module__)
+    out = {"layer": f"{type(layer).__module__}.{type(layer).__qualname__}"}
+    for attr, fname in _GDN_ROLES.items():
+        if hasattr(layer, attr):
+            out[attr] = _describe(getattr(layer, attr))
+        elif modeling is not None and hasattr(modeling, fname):
+            out[attr] = _describe(getattr(modeling, fname))
+        else:
+            out[attr] = "absent"
+    return out
+
+
+def gdn_label(fns):
+    """Short label of the decode step's GDN op and conv update from ``gdn_functions``."""
+    if "error" in fns:
+        return f"unknown ({fns['error']})"
+
+    def who(desc):
+        if desc.startswith("fla."):
+            return "fla"
+        if desc.startswith("causal_conv1d"):
+            return "causal_conv1d"
+        if desc.startswith("deltafuse"):
+            return "deltafuse"
+        return "torch fallback" if desc.startswith("transformers") else desc
+
+    return f"op: {who(fns['recurrent_gated_delta_rule'])}, conv: {who(fns['causal_conv1d_update'])}"
 
 
 def deltafuse_backend(device, dtype):
@@ -292,40 +397,57 @@ def first_divergence(a, b):
     return None if diff.numel() == 0 else int(diff[0])
 
 
+def _timed_generate(model, ids, kwargs, new_tokens, reps, device):
+    """Min wall time of ``reps`` generate calls of ``new_tokens`` new tokens, and the last output."""
+    best, out = float("inf"), None
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        out = model.generate(ids, **dict(kwargs, min_new_tokens=new_tokens, max_new_tokens=new_tokens))
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
 def generate_rows(args, device, results):
     from deltafuse import patching
     from deltafuse.models import build_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(args.model, dtype=dtype, device=device, seed=0).eval()
-    stock_gdn = which_stock_gdn()
+    stock_fns = gdn_functions(model)
     for B in args.gen_batches:
         ids = torch.randint(0, model.config.vocab_size, (B, args.prompt), generator=torch.Generator().manual_seed(B))
         ids = ids.to(device)
-        kwargs = dict(do_sample=False, min_new_tokens=args.new_tokens, max_new_tokens=args.new_tokens,
-                      pad_token_id=0)
+        kwargs = dict(do_sample=False, pad_token_id=0)
         seqs = {}
         for name in ("stock", "deltafuse"):
             ctx = patching.patched(model) if name == "deltafuse" else contextlib.nullcontext()
             row = {"section": "generate", "model": args.model, "batch": B, "prompt": args.prompt,
                    "new_tokens": args.new_tokens, "impl": name, "dtype": str(dtype).replace("torch.", ""),
-                   "gdn": stock_gdn if name == "stock" else f"deltafuse {deltafuse_backend(device, dtype)}"}
+                   "reps": args.gen_reps}
             try:
                 with ctx, torch.no_grad():
-                    model.generate(ids[:, :8], **dict(kwargs, min_new_tokens=2, max_new_tokens=2))  # warm-up
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    model.generate(ids, **dict(kwargs, min_new_tokens=1, max_new_tokens=1))
-                    _sync(device)
-                    t1 = time.perf_counter()
-                    out = model.generate(ids, **kwargs)
-                    _sync(device)
-                    t2 = time.perf_counter()
-                prefill, total = t1 - t0, t2 - t1
-                decode = max(total - prefill, 1e-9)
+                    if name == "stock":
+                        row.update(gdn=gdn_label(stock_fns), gdn_functions=stock_fns)
+                    else:
+                        row.update(gdn=f"deltafuse {deltafuse_backend(device, dtype)}",
+                                   gdn_functions=gdn_functions(model))
+                    # untimed warm-up at the timed shapes (prompt length and batch): kernel compiles and
+                    # autotuning, cuBLAS init, first-call costs of the fallbacks
+                    model.generate(ids, **dict(kwargs, min_new_tokens=4, max_new_tokens=4))
+                    prefill, _ = _timed_generate(model, ids, kwargs, 1, args.gen_reps, device)
+                    total, out = _timed_generate(model, ids, kwargs, args.new_tokens, args.gen_reps, device)
                 seqs[name] = out[:, args.prompt:].cpu()
-                row.update(prefill_s=prefill, total_s=total, decode_tok_s=B * (args.new_tokens - 1) / decode,
-                           total_tok_s=B * args.new_tokens / total)
+                row.update(prefill_s=prefill, total_s=total, total_tok_s=B * args.new_tokens / total)
+                steps = args.new_tokens - 1
+                if total > prefill and steps > 0:
+                    decode = total - prefill
+                    row.update(decode_s=decode, decode_tok_s=B * steps / decode, ms_per_step=decode / steps * 1e3)
+                else:
+                    row.update(decode_tok_s=None, ms_per_step=None,
+                               note=f"no decode rate: total {total:.4f} s <= prefill {prefill:.4f} s "
+                                    f"(timing noise larger than {steps} decode steps)")
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"
             results.append(row)
@@ -334,6 +456,15 @@ def generate_rows(args, device, results):
             pos = first_divergence(seqs["deltafuse"], seqs["stock"])
             results[-1].update(ids_match=pos is None, first_divergence=pos)
             print(json.dumps({"batch": B, "ids_match": pos is None, "first_divergence": pos}), flush=True)
+    # per decode step cost by batch: where batch 1 and the largest batch take about the same time per step,
+    # the step is bound by the host (Python, launches), not by the device
+    for name in ("stock", "deltafuse"):
+        per = {r["batch"]: r.get("ms_per_step") for r in results
+               if r.get("section") == "generate" and r["impl"] == name and "error" not in r}
+        if per:
+            row = {"section": "generate-step", "model": args.model, "impl": name, "ms_per_step_by_batch": per}
+            results.append(row)
+            print(json.dumps(row), flush=True)
 
 
 # --- report ------------------------------------------------------------------------------------------------
@@ -367,22 +498,35 @@ def table(results):
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['batch']} | {r['impl']} | error: {r['error'][:60]} | | | | | |")
             continue
+        if r.get("check") != "ok":
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['impl']} | FAIL {r['rel_o']:.1e} / "
+                         f"{r['rel_state']:.1e} (finite {r['finite']}) | not timed | | | | |")
+            continue
         lines.append(f"| {r['shape']} | {r['batch']} | {r['impl']} | {r['rel_o']:.1e} / {r['rel_state']:.1e} | "
                      f"{_f(r.get('eager_us_per_call'), '.1f')} | {_f(r.get('eager+cache_us_per_call'), '.1f')} | "
                      f"{_f(r.get('graph_us_per_call'), '.1f')} | {_f(r.get('graph+cache_us_per_call'), '.1f')} | "
                      f"{_f(r.get('graph+cache_tok_s'), ',.0f')} |")
     gen = [r for r in results if r.get("section") == "generate"]
     if gen:
-        lines += ["", "| model | batch | impl | GDN op | prefill s | decode tok/s | total tok/s | ids match |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| model | batch | impl | GDN op | prefill s | total s | decode tok/s | ms / decode step | "
+                  "total tok/s | ids match |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in gen:
             match = "" if "ids_match" not in r else ("yes" if r["ids_match"] else f"from {r['first_divergence']}")
             if "error" in r:
-                lines.append(f"| {r['model']} | {r['batch']} | {r['impl']} | {r['gdn']} | error: {r['error'][:60]} "
-                             "| | | |")
+                lines.append(f"| {r['model']} | {r['batch']} | {r['impl']} | {r.get('gdn', '?')} | "
+                             f"error: {r['error'][:60]} | | | | | |")
                 continue
+            rate = "n/a (total <= prefill)" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:,.1f}"
             lines.append(f"| {r['model']} | {r['batch']} | {r['impl']} | {r['gdn']} | {r['prefill_s']:.3f} | "
-                         f"{r['decode_tok_s']:,.1f} | {r['total_tok_s']:,.1f} | {match} |")
+                         f"{r['total_s']:.3f} | {rate} | {_f(r.get('ms_per_step'), '.2f')} | "
+                         f"{r['total_tok_s']:,.1f} | {match} |")
+    steps = [r for r in results if r.get("section") == "generate-step"]
+    if steps:
+        lines += ["", "| model | impl | ms per decode step, by batch (equal across batches: host-bound) |",
+                  "|---|---|---|"]
+        for r in steps:
+            per = ", ".join(f"batch {b}: {_f(v, '.2f')}" for b, v in r["ms_per_step_by_batch"].items())
+            lines.append(f"| {r['model']} | {r['impl']} | {per} |")
     best = [r for r in results if r.get("section") == "sweep-best"]
     if best:
         lines += ["", "| batch | best bv / warps (µs/call) | default bv / warps |", "|---|---|---|"]
@@ -413,11 +557,16 @@ def main(argv=None):
     ap.add_argument("--gen-batches", default="1,32")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--gen-reps", type=int, default=3, help="timed generate runs each (prefill, full); min taken")
     args = ap.parse_args(argv)
     args.dtype = torch.float32 if args.smoke else torch.bfloat16  # the interpreter emulates fp32 only
     if args.smoke:
         args.batches, args.layers, args.reps, args.warmup, args.no_graph = "1,2", 1, 1, 1, True
-        args.model, args.gen_batches, args.prompt, args.new_tokens = "tiny", "1,2", 8, 4
+        args.model, args.gen_batches, args.prompt, args.new_tokens, args.gen_reps = "tiny", "1,2", 8, 4, 2
+    if args.gen_reps < 2:
+        ap.error(f"--gen-reps must be >= 2 (min of repeated timings), got {args.gen_reps}")
+    if args.new_tokens < 2:
+        ap.error(f"--new-tokens must be >= 2 (a decode rate needs decode steps after prefill), got {args.new_tokens}")
     try:
         args.batches, args.gen_batches = _ints(args.batches), _ints(args.gen_batches)
     except ValueError:

@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
 # Set up a virtual environment for deltafuse (default .venv) and install the package with its extras.
-#   scripts/setup.sh [VENV_DIR] [TRANSFORMERS_SPEC]
+#   scripts/setup.sh [VENV_DIR] [TRANSFORMERS_SPEC] [BASE_VENV]
+# BASE_VENV: an existing environment set up by this script whose packages the new one reuses (a path file puts
+# them after its own), so only what differs (transformers at TRANSFORMERS_SPEC and what that version needs) is
+# installed into VENV; the test script builds its older-transformers environments this way.
 # The venv sees the system's site-packages, so a torch the user already has is reused, never replaced.
 # With no torch present, torch==2.13.0 is installed (a CPU build on CPU-only machines that carry it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
 TRANSFORMERS_SPEC="${2:-}"
+BASE_VENV="${3:-}"
 PY="${PYTHON:-python3}"
 
+if [ -n "$BASE_VENV" ] && [ ! -x "$BASE_VENV/bin/python" ]; then
+    echo "setup: BASE_VENV=$BASE_VENV is not a virtual environment (no $BASE_VENV/bin/python); allowed: a directory" \
+         "set up by scripts/setup.sh" >&2
+    exit 2
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv --system-site-packages "$VENV"
 fi
 VPY="$VENV/bin/python"
+if [ -n "$BASE_VENV" ]; then
+  purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+  purelib "$BASE_VENV/bin/python" > "$(purelib "$VPY")/_deltafuse_base_venv.pth"
+fi
 pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
 
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then

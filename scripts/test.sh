@@ -6,9 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh .venv
-bash scripts/setup.sh .venv-tf59 "transformers==5.9.0"
-bash scripts/setup.sh .venv-tf52 "transformers==5.2.0"
-bash scripts/setup.sh .venv-tf514 "transformers==5.14.1"
+bash scripts/setup.sh .venv-tf59 "transformers==5.9.0" .venv
+bash scripts/setup.sh .venv-tf52 "transformers==5.2.0" .venv
+bash scripts/setup.sh .venv-tf514 "transformers==5.14.1" .venv
 
 echo "== tests, newest transformers =="
 .venv/bin/python -m pytest -q -p no:cacheprovider tests

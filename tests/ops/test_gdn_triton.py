@@ -582,3 +582,171 @@ def test_bwd_v2_options_validated():
         with pytest.raises(ValueError, match=f"ChunkOptions.{field}={value!r}.*allowed: {allowed}"):
             chunk_mod.ChunkOptions(**{field: value})
     assert chunk_mod.ChunkOptions(stages_wy=3, stages_bo=3, stages_dvl=3, stages_sbwd=3).stages_wy == 3
+
+# in-chunk v2
+# ------------------------------------------------------------------------------------------------
+# the in-chunk kernel's ChunkOptions fields: intra_inv (how the diagonal 16x16 blocks of T are inverted) and
+# intra_prod (products of T with the 16-bit k and v)
+# ------------------------------------------------------------------------------------------------
+
+INTRA_INVS = ["subst", "double", "recursive"]
+
+
+@triton.jit
+def _inverse_kernel(a_ptr, t_ptr, INV: triton.language.constexpr):
+    tl = triton.language
+    r = tl.arange(0, 64)
+    off = tl.program_id(0) * 4096 + r[:, None] * 64 + r[None, :]
+    tl.store(t_ptr + off, kernel_fwd._unit_lower_inverse(tl.load(a_ptr + off), "ieee", INV))
+
+
+def _wy_tiles(n, kind, gen):
+    """n strictly lower [64, 64] tiles A = strictly_lower(beta_i (k_i . k_j) exp(gc_i - gc_j)) in float64.
+    "random": unit-norm random keys (K = 16), beta in (0, 1), the tests' decay spread (entries up to ~0.4).
+    "hard": keys close to one common direction, beta near 1 and almost no decay (entries near 1 everywhere)."""
+    K = 16
+    if kind == "random":
+        k = torch.randn(n, 64, K, generator=gen, dtype=torch.float64)
+        beta = torch.sigmoid(torch.randn(n, 64, generator=gen, dtype=torch.float64))
+        g = -torch.nn.functional.softplus(torch.randn(n, 64, generator=gen, dtype=torch.float64) * 1.5 - 0.5)
+    else:
+        k = torch.randn(n, 1, K, generator=gen, dtype=torch.float64) + 0.3 * torch.randn(
+            n, 64, K, generator=gen, dtype=torch.float64)
+        beta = 0.9 + 0.1 * torch.rand(n, 64, generator=gen, dtype=torch.float64)
+        g = -1e-3 * torch.rand(n, 64, generator=gen, dtype=torch.float64)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    gc = torch.cumsum(g, -1)
+    a = beta[:, :, None] * (k @ k.transpose(1, 2)) * torch.exp(gc[:, :, None] - gc[:, None, :])
+    return torch.tril(a, -1)
+
+
+@pytest.mark.parametrize("kind", ["random", "hard"])
+@pytest.mark.parametrize("inv", INTRA_INVS)
+def test_intra_inverse(inv, kind):
+    """_unit_lower_inverse alone, fp32 products at full precision, against the float64 inverse of I + A on fresh
+    tiles (every element, into a NaN-filled buffer). The substitution and the recursive doubling stay at fp32
+    rounding of T - I (rel rms 3e-8 random, 3e-7 hard); repeated squaring matches them on realistic tiles and
+    loses about two digits on the hard ones (rel rms 6e-5: its powers of A cancel)."""
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    a = _wy_tiles(8, kind, gen)
+    ref = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + a)
+    t = torch.full((8, 64, 64), float("nan"), device=DEVICE)
+    _inverse_kernel[(8,)](a.float().to(DEVICE), t, INV=chunk_mod._INV_MODES[inv])
+    t = t.cpu()
+    assert torch.isfinite(t).all()
+    assert torch.equal(torch.triu(t, 1), torch.zeros_like(t)) and torch.equal(torch.diagonal(t, 0, 1, 2),
+                                                                           torch.ones(8, 64))
+    # errors relative to T - I (the unit diagonal would dilute them)
+    eye = torch.eye(64, dtype=torch.float64)
+    err, worst = rel_rms(t - eye, ref - eye), rel_max(t - eye, ref - eye)
+    print(f"T inverse {inv} {kind}: max |A| {a.abs().max():.2f}, max |T - I| {(ref - eye).abs().max():.2f}, "
+          f"rel rms {err:.2e}, rel max {worst:.2e}")
+    if inv == "double" and kind == "hard":
+        # measured: rel rms 6e-5, max 4e-4 (200x the substitution's)
+        assert 1e-5 <= err <= 3e-4 and worst <= 3e-3, (err, worst)
+    else:
+        # measured: rel rms 3e-8 (random) and 3e-7 (hard), max under 1e-6
+        assert err <= 1e-6 and worst <= 5e-6, (err, worst)
+
+
+def _intra_reference(k, rk, v, g, beta, bounds, H):
+    """gc, T (rows [token, value head, 64]), w and u of the in-chunk kernel in float64 from its own inputs."""
+    TT, HV, V = v.shape
+    k = k.double() * rk.double()[..., None]
+    v, g, beta = v.double(), g.double(), beta.double()
+    gc = torch.zeros(TT, HV, dtype=torch.float64)
+    tinv = torch.zeros(TT, HV, 64, dtype=torch.float64)
+    w = torch.zeros(TT, HV, k.shape[-1], dtype=torch.float64)
+    u = torch.zeros(TT, HV, V, dtype=torch.float64)
+    for a, b in zip(bounds, bounds[1:]):
+        for c in range(a, b, 64):
+            e = min(c + 64, b)
+            for hv in range(HV):
+                kc, bc = k[c:e, hv // (HV // H)], beta[c:e, hv]
+                gcc = torch.cumsum(g[c:e, hv], 0)
+                A = torch.tril(bc[:, None] * (kc @ kc.T) * torch.exp(gcc[:, None] - gcc[None, :]), -1)
+                T = torch.linalg.inv(torch.eye(e - c, dtype=torch.float64) + A)
+                gc[c:e, hv], tinv[c:e, hv, :e - c] = gcc, T
+                w[c:e, hv] = T @ (kc * (bc * torch.exp(gcc))[:, None])
+                u[c:e, hv] = T @ (v[c:e, hv] * bc[:, None])
+    return gc, tinv, w, u
+
+
+@pytest.mark.parametrize("prod", ["x2", "16"])
+@pytest.mark.parametrize("inv", INTRA_INVS)
+def test_intra_kernel_fp16(inv, prod):
+    """The in-chunk kernel alone (fp16 k, v, g, beta; w and u stored in fp32; outputs NaN-filled first) against
+    float64 from the same inputs, over sequences of lengths 1, 64 and 65 with grouped heads and two V blocks:
+    gc and T near-exact with every inverse, w and u near-exact with split products ("x2", 1e-7 to 3e-6) and within
+    the 16-bit rounding of T with one 16-bit product ("16": w 2e-4, u 1e-5)."""
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    H, HV, K, V = 1, 2, 32, 32
+    bounds = [0, 1, 65, 130]
+    TT = bounds[-1]
+    plan = chunk_mod._Plan(bounds, torch.device("cpu"))
+    k = torch.randn(TT, H, K, generator=gen).half()
+    rk = 1.0 / k.float().norm(dim=-1)
+    v = torch.randn(TT, HV, V, generator=gen).half()
+    g = (-torch.nn.functional.softplus(torch.randn(TT, HV, generator=gen) * 1.5 - 0.5)).half()
+    beta = torch.sigmoid(torch.randn(TT, HV, generator=gen)).half()
+    with chunk_mod.configured(chunk_mod.ChunkOptions(intra_inv=inv, intra_prod=prod, fwd_store="fp32")):
+        cfg = chunk_mod._Cfg(torch.float16, K, V, "fwd")
+        assert (cfg.INV, cfg.intra_mode) == (chunk_mod._INV_MODES[inv], chunk_mod._PROD_MODES[prod])
+        gc, w, u, tinv = chunk_mod._prepare(k, rk, v, g, beta, plan, cfg, True, True)
+    rgc, rt, rw, ru = _intra_reference(k, rk, v, g, beta, bounds, H)
+    for name, out in (("gc", gc), ("T", tinv), ("w", w), ("u", u)):
+        assert out.dtype == torch.float32 and torch.isfinite(out).all(), name
+    eye = torch.zeros_like(rt)
+    for a, b in zip(bounds, bounds[1:]):
+        for c in range(a, b, 64):
+            eye[c:min(c + 64, b), :, :min(64, b - c)] += torch.eye(min(64, b - c), dtype=torch.float64)[:, None]
+    errs = {"gc": rel_rms(gc, rgc), "T": rel_rms(tinv - eye, rt - eye), "w": rel_rms(w, rw), "u": rel_rms(u, ru)}
+    print(f"in-chunk kernel inv={inv} prod={prod}:", {n: f"{e:.1e}" for n, e in errs.items()})
+    assert errs["gc"] <= 1e-6 and errs["T"] <= 1e-6 and rel_max(tinv - eye, rt - eye) <= 1e-5, errs
+    for n, out, ref in (("w", w, rw), ("u", u, ru)):
+        if prod == "x2":
+            # w carries exp(gc) with |gc| up to ~100 here: the fp32 rounding of gc alone costs ~3e-6 there
+            assert errs[n] <= 1e-5 and rel_max(out, ref) <= 1e-4, errs
+        else:
+            # u's diagonal term beta v is exact in fp16, so rounding T costs it less than w (measured 1e-5, 2e-4)
+            assert (2e-6 if n == "u" else 2e-5) <= errs[n] <= 1e-3 and rel_max(out, ref) <= 1e-2, errs
+
+
+@pytest.mark.parametrize("inv", ["double", "recursive"])
+def test_intra_options_fp32(inv):
+    """The whole op, forward and backward, with the new inverses (fp32, every output and gradient against
+    float64)."""
+    with chunk_mod.configured(chunk_mod.ChunkOptions(intra_inv=inv)):
+        check_chunk(1, 130, 1, 2, 16, 16, dtype=torch.float32, tol_o=FP32_TOL, tol_grad=FP32_TOL, tol_gb=FP32_TOL,
+                    h0=True, l2=True, cu=[0, 1, 65, 130])
+
+
+@pytest.mark.parametrize("inv,prod", [("double", "x2"), ("recursive", "16"), ("subst", "16")])
+def test_intra_options_fp16(inv, prod):
+    """The whole op, forward and backward, on fp16 inputs (16-bit storage, the interpreter's stand-in for bf16)
+    under each new option value: every output and gradient within 2e-3 of float64."""
+    with chunk_mod.configured(chunk_mod.ChunkOptions(intra_inv=inv, intra_prod=prod)):
+        check_chunk(1, 130, 1, 2, 16, 16, dtype=torch.float16, tol_o=2e-3, tol_grad=2e-3, tol_gb=2e-3,
+                    h0=True, l2=True, cu=[0, 1, 65, 130])
+
+
+def test_intra_options_validated():
+    for field, value, allowed in [("intra_inv", "newton", "'subst', 'double', 'recursive'"),
+                                  ("intra_prod", "tf32", "'x2', '16'"), ("intra_prod", None, "'x2', '16'")]:
+        with pytest.raises(ValueError, match=f"ChunkOptions.{field}={value!r}; allowed: {allowed}"):
+            chunk_mod.ChunkOptions(**{field: value})
+    assert chunk_mod.ChunkOptions().intra_inv == "subst" and chunk_mod.ChunkOptions().intra_prod == "x2"
+
+
+INTRA_GPU_CASES = [(inv, prod, K) for inv in INTRA_INVS for prod in ("x2", "16") for K in (128, 16)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("inv,prod,K", INTRA_GPU_CASES, ids=[f"{i}-{p}-K{K}" for i, p, K in INTRA_GPU_CASES])
+def test_intra_options_bf16_gpu(inv, prod, K):
+    """Each in-chunk option compiled for the GPU, forward and backward in bf16 against the float64 oracle (K = V;
+    a configuration that fails here must not become a default)."""
+    with chunk_mod.configured(chunk_mod.ChunkOptions(intra_inv=inv, intra_prod=prod)):
+        check_chunk(1, 1000, 4, 8, K, K, dtype=torch.bfloat16, **BF16, h0=True, l2=True,
+                    cu=[0, 1, 64, 65, 300, 301, 1000])

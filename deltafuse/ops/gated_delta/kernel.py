@@ -126,6 +126,8 @@ def _plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device)
 
 # product modes (kernel_fwd._dot_m): "tf32" one fp32 product, "16" the fp32 operand rounded to 16 bits, "x2" split
 _PROD_MODES = {"tf32": 0, "16": 1, "x2": 2}
+# in-chunk inverse of the diagonal 16x16 blocks (kernel_fwd._unit_lower_inverse's INV)
+_INV_MODES = {"subst": 0, "double": 1, "recursive": 2}
 
 
 @dataclass(frozen=True)
@@ -195,11 +197,26 @@ class ChunkOptions:
     stages_bo: int = 3
     bt_red: int = 32
     warps_red: int = 4
+    # in-chunk kernel (_intra_fwd, run by the forward and again by the backward)
+    # intra_inv: how the four diagonal 16x16 blocks of T = (I + A)^-1 are inverted: "subst" (forward
+    # substitution, 16 dependent steps of masked reductions), "double" (repeated squaring, (I - A)(I + A^2)
+    # (I + A^4)(I + A^8): six batched fp32 [4, 16, 16] products; loses digits when A's entries approach 1), or
+    # "recursive" (the inverted block size doubled 1 -> 2 -> 4 -> 8 -> 16: six batched fp32 products, as
+    # accurate as the substitution). intra_prod: products of T with the 16-bit k and v for w and u: "x2" (as
+    # fwd_x2 / bwd_x2 say: split T into two 16-bit parts, or one tf32 product) or "16" (T rounded to 16 bits,
+    # one product; 16-bit inputs only, fp32 inputs always take fp32 products).
+    intra_inv: str = "subst"
+    intra_prod: str = "x2"
 
     def __post_init__(self):
         for name in ("fwd_store", "bwd_store"):
             if getattr(self, name) not in ("input", "fp32"):
                 raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: 'input', 'fp32'")
+        if self.intra_inv not in _INV_MODES:
+            raise ValueError(f"ChunkOptions.intra_inv={self.intra_inv!r}; allowed: "
+                             + ", ".join(repr(m) for m in _INV_MODES))
+        if self.intra_prod not in ("x2", "16"):
+            raise ValueError(f"ChunkOptions.intra_prod={self.intra_prod!r}; allowed: 'x2', '16'")
         if self.bwd_partials not in ("input", "fp32"):
             raise ValueError(f"ChunkOptions.bwd_partials={self.bwd_partials!r}; allowed: 'input', 'fp32'")
         if self.fwd_prod_qh == "16":
@@ -253,6 +270,10 @@ class _Cfg:
         # precision of fp32-operand products: exact in the interpreter, three-pass tf32 for fp32 inputs
         self.PREC = "ieee" if interp else ("tf32x3" if full else "tf32")
         self.X2 = (not full) and bool(getattr(opts, which + "_x2"))
+        # the in-chunk kernel: inverse of the diagonal blocks, product mode of T with k and v (kernel_fwd._dot_ma)
+        self.INV = _INV_MODES[opts.intra_inv]
+        self.intra_mode = _PROD_MODES["16"] if (not full and opts.intra_prod == "16") else (
+            _PROD_MODES["x2"] if self.X2 else _PROD_MODES["tf32"])
         self.store = torch.float32 if (full or getattr(opts, which + "_store") == "fp32") else dtype
         vmax = max(16, triton.next_power_of_2(V))
         names = ("intra", "dvl", "wy", "bo")
@@ -296,8 +317,8 @@ def _prepare(k, rk, v, g, beta, plan, cfg, L2, store_t):
     if plan.NC:
         _intra_fwd[(plan.NC, HV)](k, rk if L2 else gc, v, g, beta, gc, w, u, tinv if store_t else gc, plan.chunks,
                                   H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=cfg.bv["intra"], L2=L2, STORE_T=store_t,
-                                  X2=cfg.X2, PREC=cfg.PREC, DT=cfg.DT, num_warps=cfg.nw["intra"],
-                                  num_stages=cfg.stages)
+                                  MODE=cfg.intra_mode, INV=cfg.INV, PREC=cfg.PREC, DT=cfg.DT,
+                                  num_warps=cfg.nw["intra"], num_stages=cfg.stages)
     _mark("intra")
     return gc, w, u, tinv
 

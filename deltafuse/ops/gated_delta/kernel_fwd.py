@@ -15,24 +15,80 @@ import triton.language as tl
 
 
 @triton.jit
-def _unit_lower_inverse(A, PREC: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular fp32 [64, 64] tile A.
-
-    The four diagonal 16x16 blocks are inverted by forward substitution (all four at once, as a
-    [4, 16, 16] batch). With D the block-diagonal part of I + A and L the rest, I + A = D (I + N) with
-    N = D^-1 L strictly block-lower, so N^4 = 0 and (I + A)^-1 = (I - N)(I + N^2) D^-1.
-    """
-    r64 = tl.arange(0, 64)
+def _inv16_subst(A3):
+    """(I + A)^-1 of each strictly lower [16, 16] block of the [4, 16, 16] batch A3, by forward substitution:
+    16 dependent row steps, each two masked reductions over the batch tile."""
     r16 = tl.arange(0, 16)
-    r4 = tl.arange(0, 4)
-    same_blk = r4[:, None, None, None] == r4[None, None, :, None]  # [4, 1, 4, 1]
-    A4 = tl.reshape(A, [4, 16, 4, 16])
-    A3 = tl.sum(tl.where(same_blk, A4, 0.0), axis=2)  # [4, 16, 16]: diagonal blocks
     Ti = tl.zeros([4, 16, 16], dtype=tl.float32)
     for i in tl.static_range(16):
         a_row = tl.sum(tl.where(r16[None, :, None] == i, A3, 0.0), axis=1)  # [4, 16] = A3[:, i, :]
         new = tl.where(r16[None, :] == i, 1.0, 0.0) - tl.sum(a_row[:, :, None] * Ti, axis=1)
         Ti = tl.where(r16[None, :, None] == i, new[:, None, :], Ti)
+    return Ti
+
+
+@triton.jit
+def _inv16_double(A3):
+    """(I + A)^-1 of each strictly lower [16, 16] block of A3 by repeated squaring: A^16 = 0, so
+    (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8); six batched [4, 16, 16] fp32 products. The powers of
+    A grow like binomial coefficients when its entries approach 1 and cancel in the product, so this
+    loses digits there (tests/ops/test_gdn_triton.py, test_intra_inverse)."""
+    r16 = tl.arange(0, 16)
+    eye = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)[None, :, :]
+    A2 = tl.dot(A3, A3, input_precision="ieee")
+    A4 = tl.dot(A2, A2, input_precision="ieee")
+    A8 = tl.dot(A4, A4, input_precision="ieee")
+    P = tl.dot(eye - A3, eye + A2, input_precision="ieee")
+    P = tl.dot(P, eye + A4, input_precision="ieee")
+    return tl.dot(P, eye + A8, input_precision="ieee")
+
+
+@triton.jit
+def _inv16_merge(M, A3, B: tl.constexpr):
+    """One step of _inv16_recursive: M holds the inverses of the diagonal BxB blocks; returns those of the
+    2Bx2B blocks, [[X, 0], [Y, Z]]^-1 = [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]], i.e. M - M A_off M with A_off the
+    lower-left BxB part of every 2Bx2B block."""
+    r16 = tl.arange(0, 16)
+    bi = r16[:, None] // B
+    bj = r16[None, :] // B
+    off = tl.where(((bi % 2) == 1) & (bj == bi - 1), A3, 0.0)
+    return M - tl.dot(tl.dot(M, off, input_precision="ieee"), M, input_precision="ieee")
+
+
+@triton.jit
+def _inv16_recursive(A3):
+    """(I + A)^-1 of each strictly lower [16, 16] block of A3 by doubling the inverted block size,
+    1 -> 2 (no product) -> 4 -> 8 -> 16: six batched [4, 16, 16] fp32 products, and every intermediate is
+    a block of the inverse itself (no cancelling powers), so it is as accurate as the substitution."""
+    r16 = tl.arange(0, 16)
+    i = r16[:, None]
+    j = r16[None, :]
+    M = tl.where(i == j, 1.0, 0.0)[None, :, :] - tl.where(((i % 2) == 1) & (j == i - 1), A3, 0.0)
+    M = _inv16_merge(M, A3, 2)
+    M = _inv16_merge(M, A3, 4)
+    return _inv16_merge(M, A3, 8)
+
+
+@triton.jit
+def _unit_lower_inverse(A, PREC: tl.constexpr, INV: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular fp32 [64, 64] tile A.
+
+    The four diagonal 16x16 blocks are inverted all four at once, as a [4, 16, 16] batch: INV 0 by
+    forward substitution, 1 by repeated squaring, 2 by recursive doubling of the block size (the last two
+    as batched fp32 products). With D the block-diagonal part of I + A and L the rest, I + A = D (I + N)
+    with N = D^-1 L strictly block-lower, so N^4 = 0 and (I + A)^-1 = (I - N)(I + N^2) D^-1.
+    """
+    r64 = tl.arange(0, 64)
+    r4 = tl.arange(0, 4)
+    same_blk = r4[:, None, None, None] == r4[None, None, :, None]  # [4, 1, 4, 1]
+    A4 = tl.reshape(A, [4, 16, 4, 16])
+    A3 = tl.sum(tl.where(same_blk, A4, 0.0), axis=2)  # [4, 16, 16]: diagonal blocks
+    if INV == 1:
+        Ti = _inv16_double(A3)
+    elif INV == 2:
+        Ti = _inv16_recursive(A3)
+    else:
+        Ti = _inv16_subst(A3)
     Dinv = tl.reshape(tl.where(same_blk, Ti[:, :, None, :], 0.0), [64, 64])
     blk = r64 // 16
     L = tl.where(blk[:, None] > blk[None, :], A, 0.0)
@@ -154,7 +210,10 @@ def _l2norm_rstd(q_ptr, k_ptr, rq_ptr, rk_ptr, TT, H: tl.constexpr, K: tl.conste
 def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv_ptr, chunks_ptr,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, STORE_T: tl.constexpr,
-               X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+               MODE: tl.constexpr, INV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """gc, A, T = (I + A)^-1 (stored when STORE_T), w and u of one chunk and value head. INV: how the diagonal
+    16x16 blocks of T are inverted (_unit_lower_inverse); MODE: product mode (_dot_ma) of the fp32 T tiles
+    with the 16-bit k and v for w and u."""
     pid_c = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // (HV // H)
@@ -172,12 +231,12 @@ def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv
     k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :],
                 mask=valid[:, None] & (ck[None, :] < K), other=0.0)
     kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
-    Tm = _unit_lower_inverse(kk * _chunk_decay(gc, valid, True) * b[:, None], PREC)
+    Tm = _unit_lower_inverse(kk * _chunk_decay(gc, valid, True) * b[:, None], PREC, INV)
     if STORE_T:
         tl.store(tinv_ptr + tok[:, None] * (HV * 64) + hv * 64 + rows[None, :], Tm, mask=valid[:, None])
     eg = tl.where(valid, tl.exp(gc), 0.0)
     # w = T diag(beta exp(gc) rk) k;  u = T diag(beta) v
-    w = _dot_xa(Tm * (b * eg * rk)[None, :], k, X2, PREC, DT)
+    w = _dot_ma(Tm * (b * eg * rk)[None, :], k, tl.zeros([64, BK], dtype=tl.float32), MODE, PREC, DT)
     tl.store(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], w.to(w_ptr.dtype.element_ty),
              mask=valid[:, None] & (ck[None, :] < K))
     Tb = Tm * b[None, :]
@@ -185,7 +244,7 @@ def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv
         cv = vb * BV + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
         v = tl.load(v_ptr + tok[:, None] * (HV * V) + hv * V + cv[None, :], mask=mv, other=0.0)
-        u = _dot_xa(Tb, v, X2, PREC, DT)
+        u = _dot_ma(Tb, v, tl.zeros([64, BV], dtype=tl.float32), MODE, PREC, DT)
         tl.store(u_ptr + tok[:, None] * (HV * V) + hv * V + cv[None, :], u.to(u_ptr.dtype.element_ty), mask=mv)
 
 

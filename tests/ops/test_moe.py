@@ -145,6 +145,57 @@ def test_saved_tensors_exclude_hidden_sized_intermediates():
     out.sum().backward()
 
 
+def _aten_ops(fn):
+    """(name, input shapes) of the aten ops ``fn`` issues (CPU profiler): the ones no other aten op issued,
+    plus every dtype copy (``aten::_to_copy``, wherever it comes from). ``fn`` runs once before, so one-time
+    probes are not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    ops = []
+    for e in prof.events():
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if e.name == "aten::_to_copy" or (e.name.startswith("aten::") and e.name != "aten::to" and parent is None):
+            ops.append((e.name, [tuple(s) for s in e.input_shapes]))
+    return ops
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_no_token_order_copies_or_fp32_upcasts_of_slot_tensors(dtype):
+    """Forward + backward of one call: the [S, H] down output and hidden-state gradient are never gathered into
+    token order (the per-token sums read them in expert order), and no [S, I] / [S, H] tensor is copied to
+    another dtype (the routing-weight gradient's row dots accumulate in fp32 without upcast copies). What is
+    left per call: the two gathers from token order ([N, H] inputs, needed by the grouped matmuls) and the
+    gate_up rows' re-gather for its weight gradient."""
+    N, H, I, E, k = 24, 32, 8, 6, 4
+    S = N * k
+    x, idx, w, gu, dn = _inputs(N, H, I, E, k, dtype=dtype, device="cpu", seed=11)
+
+    def step():
+        out = _api()(x, idx, w, gu, dn)
+        out.backward(torch.randn_like(out))
+
+    ops = _aten_ops(step)
+    big = [(n, sh) for n, sh in ops if sh and sh[0] and len(sh[0]) == 2 and sh[0][0] == S and sh[0][1] in (H, I)]
+    assert not [o for o in big if o[0] == "aten::index"], big  # no [S, H] gather into token order
+    copies = [(n, sh) for n, sh in ops if n in ("aten::_to_copy", "aten::copy_")
+              and sh and sh[0] and int(torch.tensor(sh[0]).prod()) >= S]
+    assert not copies, copies
+    gathers = [sh for n, sh in ops if n == "aten::index"]
+    assert sorted(tuple(sh[0]) for sh in gathers if sh[0] and sh[0][-1] == H) == [(N, H)] * 3, gathers
+
+
+def test_bf16_matches_float64_on_cpu():
+    """bf16 on the CPU (fp32 accumulators in the per-token sums and the routing-weight row dots): every output
+    and gradient within bf16 tolerance of the float64 oracle."""
+    _check(reference.moe_experts_torch, *_inputs(19, 32, 16, 6, 4, dtype=torch.bfloat16, device="cpu", seed=12),
+           tol=2e-2)
+
+
 # --- parity with transformers ----------------------------------------------------------------------------
 def _adapter():
     """The experts-interface function the transformers patch layer registers, recording for every call whether

@@ -8,15 +8,17 @@ no bias, gate and up concatenated as [gate; up] along 2I): for token n and its j
 Forward: the N*k (token, expert) slots are sorted by expert (stable), group offsets come from a
 ``searchsorted`` on the sorted ids (no host sync), the hidden rows are gathered, then one grouped matmul for
 gate_up, SiLU * up (deltafuse's swiglu op: reads the two strided halves in place, and its backward serves
-ours), one grouped matmul for down, and the weighted sum over each token's k slots is one batched
-[1, k] x [k, H] product per token (deterministic; no atomics).
+ours), one grouped matmul for down, and the weighted sum over each token's k slots reads the down output in
+expert order through the inverse permutation (one ``embedding_bag`` with per-slot weights on CPU and CUDA:
+fp32 accumulator, deterministic, no atomics, and no [S, H] copy of the output in token order).
 
 Backward: only the gate_up output [S, 2I] is kept (plus the sort permutation and offsets; the hidden states
 and weights are inputs). The hidden-state gradient is formed before the gate_up weight gradient, so no [S, H]
 buffer of it coexists with that [E, 2I, H] gradient (the backward's peak). The gathered hidden rows and
 SiLU * up are recomputed; the down projection output is never needed because the routing-weight gradient is
 computed as <dout_n @ down[e], silu(gate) * up>, i.e. from the same [S, I] product that feeds the rest of
-the backward. The stock grouped path keeps the gathered hidden rows, the down output, the activation and its
+the backward (one batched row-dot product with an fp32 accumulator: no fp32 copies of the two [S, I]
+operands); the hidden-state gradient is summed over each token's slots as the forward's output is. The stock grouped path keeps the gathered hidden rows, the down output, the activation and its
 product (two [S, H] and two [S, I] tensors more).
 
 Grouped matmuls use ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` when a one-time probe says
@@ -134,11 +136,16 @@ class _Plan:
         self.offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
         self.token = self.perm // self.k
         self.n_experts = n_experts
+        self._inverse = None
 
     def inverse(self) -> torch.Tensor:
-        inv = torch.empty_like(self.perm)
-        inv[self.perm] = torch.arange(self.perm.numel(), device=self.perm.device)
-        return inv
+        """inv[slot] = the sorted row of token-order slot ``slot`` (computed once per call, forward and
+        backward share it; a routing index, not derived from any trainable tensor)."""
+        if self._inverse is None:
+            inv = torch.empty_like(self.perm)
+            inv[self.perm] = torch.arange(self.perm.numel(), device=self.perm.device)
+            self._inverse = inv
+        return self._inverse
 
 
 class _Matmuls:
@@ -162,6 +169,41 @@ class _Matmuls:
         return _loop_wgrad(a, b, offs, self.n_experts)
 
 
+# Devices whose embedding_bag reads rows by index and sums them per bag with a floating-point accumulator of at
+# least fp32 (one rounding to the output dtype), deterministically (no atomics): the per-token gather-sum below
+# is one such call there, and a gather into a fresh [S, H] buffer plus a reduction elsewhere.
+_BAG_DEVICES = ("cpu", "cuda")
+
+
+def _gather_sum(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """out[n] = sum_j weights[n, j] * rows[index[n, j]] (weights None: plain sum) with an fp32 (or wider)
+    accumulator and one rounding to rows' dtype: rows [S, H], index [N, k] (each row read once) -> [N, H].
+
+    One ``embedding_bag`` where the device's kernel is known to be deterministic and to accumulate in fp32
+    (``_BAG_DEVICES``): the [S, H] rows are read in place, never copied into token order first. Elsewhere
+    the rows are gathered into token order and reduced (a batched [1, k] x [k, H] product per token, or a
+    sum in fp32)."""
+    n, k = index.shape
+    if rows.device.type in _BAG_DEVICES and rows.dtype in (torch.float32, torch.float64, torch.bfloat16,
+                                                              torch.float16):
+        return F.embedding_bag(index, rows, mode="sum", per_sample_weights=weights)
+    g = rows[index.reshape(-1)].view(n, k, rows.shape[1])
+    if weights is None:
+        return g.sum(1, dtype=torch.promote_types(rows.dtype, torch.float32)).to(rows.dtype)
+    out = rows.new_empty(n, rows.shape[1])
+    torch.bmm(weights.view(n, 1, k), g, out=out.view(n, 1, rows.shape[1]))
+    return out
+
+
+def _row_dots(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_i a[s, i] * b[s, i] per row with an fp32 (or wider) accumulator, rounded once to ``dtype``: one
+    batched [1, I] x [I, 1] product (the exact products of two 16-bit values summed in the matmul's fp32
+    accumulator), instead of upcasting both [S, I] operands, multiplying and reducing."""
+    if a.dtype != dtype:  # the routing weights' dtype differs from the activations': keep fp32 partials
+        return (a.to(torch.promote_types(a.dtype, torch.float32)) * b).sum(-1).to(dtype)
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return swiglu(gate, up)
 
@@ -179,13 +221,11 @@ class _MoeExperts(torch.autograd.Function):
         act = _swiglu(gu[:, :inter], gu[:, inter:])
         y = mats.mm(act, down.transpose(1, 2), plan.offs)
         del act
-        inv = plan.inverse()
-        y = y[inv].view(n, k, hdim)
-        w = top_k_weights.to(y.dtype).view(n, 1, k)
-        # written into a tensor of its own: a view of an intermediate returned from a custom Function may not
-        # be modified in place, and callers do (transformers 5.2 adds the shared expert with +=)
-        out = y.new_empty(n, hdim)
-        torch.bmm(w, y, out=out.view(n, 1, hdim))
+        # the weighted sum over each token's k slots reads the down output in expert order through the inverse
+        # permutation (no [S, H] copy in token order); a fresh tensor, which callers may modify in place
+        # (transformers 5.2 adds the shared expert with +=)
+        out = _gather_sum(y, plan.inverse().view(n, k), top_k_weights.to(y.dtype))
+        del y
         ctx.save_for_backward(hidden, top_k_weights, gate_up, down, gu)
         ctx.plan, ctx.mats, ctx.needs = plan, mats, needs
         return out
@@ -200,7 +240,6 @@ class _MoeExperts(torch.autograd.Function):
         n, hdim = hidden.shape
         inter = down.shape[2]
         dt = hidden.dtype
-        ct = torch.promote_types(dt, torch.float32)
         dout = dout.to(dt).contiguous()
         do_g = dout[plan.token]  # [S, H]: d(out) at each sorted slot's token
         w_sorted = top_k_weights.reshape(-1)[plan.perm].to(dt)
@@ -211,10 +250,9 @@ class _MoeExperts(torch.autograd.Function):
             act = _swiglu(gate, up)
         d_w = d_down = d_gu = d_hidden = None
         if need_w:
-            dws = (g.to(ct) * act.detach().to(ct)).sum(-1)
-            d_w = torch.empty_like(dws)
-            d_w[plan.perm] = dws
-            d_w = d_w.view(n, plan.k).to(top_k_weights.dtype)
+            # <g, act> per sorted slot, back in token order by one gather through the inverse permutation
+            dws = _row_dots(g, act.detach(), top_k_weights.dtype)
+            d_w = dws[plan.inverse()].view(n, plan.k)
         if need_down:
             d_down = mats.wgrad(do_g, act.detach() * w_sorted[:, None], plan.offs)
         del do_g
@@ -224,11 +262,11 @@ class _MoeExperts(torch.autograd.Function):
             dgu = torch.cat([dgate, dup], dim=-1)
             del dgate, dup
             if need_h:
-                # before the [E, 2I, H] weight gradient exists, so that its [S, H] temporaries (the data
-                # gradient and its copy in token order) are freed by then; summed over each token's k slots
-                # in one reduction (deterministic)
-                dx = mats.mm(dgu, gate_up, plan.offs)[plan.inverse()]
-                d_hidden = dx.view(n, plan.k, hdim).sum(1, dtype=ct).to(dt)
+                # before the [E, 2I, H] weight gradient exists, so that the [S, H] data gradient is freed by
+                # then; summed over each token's k slots straight from expert order (fp32 accumulator,
+                # deterministic)
+                dx = mats.mm(dgu, gate_up, plan.offs)
+                d_hidden = _gather_sum(dx, plan.inverse().view(n, plan.k), None)
                 del dx
             if need_gu:
                 d_gu = mats.wgrad(dgu, hidden[plan.token], plan.offs)

@@ -1,0 +1,164 @@
+"""PEFT's LoRA Linear served by deltafuse's forward: bit-identical to PEFT's own forward (output, input gradient,
+every adapter gradient) under autocast and without it, for power-of-two and other scalings, several adapters,
+and the refused cases; the fp32 round trip of the input and the full-width scaling are gone (CPU profiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from deltafuse.integrations.peft import lora_plan, wrap_lora_linear_forward  # noqa: E402
+from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
+
+ORIGINAL = LoraLinear.forward
+if hasattr(ORIGINAL, "__deltafuse_wraps__"):
+    ORIGINAL = ORIGINAL.__deltafuse_wraps__
+LEAN = wrap_lora_linear_forward(ORIGINAL)
+
+
+def _layer(r=4, alpha=8, dropout=0.0, fin=24, fout=40, dtype=torch.bfloat16, adapters=("default",), seed=0):
+    torch.manual_seed(seed)
+    base = torch.nn.Linear(fin, fout, bias=False).to(dtype)
+    net = torch.nn.Sequential(base)
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=["0"], init_lora_weights=False)
+    model = peft.get_peft_model(net, cfg, adapter_name=adapters[0])
+    for name in adapters[1:]:
+        model.add_adapter(name, cfg)
+    layer = model.base_model.model[0]
+    if len(adapters) > 1:
+        layer.set_adapter(list(adapters))
+    return layer
+
+
+def _run(forward, layer, x, amp_dtype):
+    for p in layer.parameters():
+        p.grad = None
+    xl = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+        out = forward(layer, xl)
+    gen = torch.Generator().manual_seed(5)
+    out.backward(torch.randn(out.shape, generator=gen).to(out.dtype))
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), xl.grad, grads
+
+
+def _assert_same(layer, x, amp_dtype):
+    want = _run(ORIGINAL, layer, x, amp_dtype)
+    got = _run(LEAN, layer, x, amp_dtype)
+    assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    assert got[2].keys() == want[2].keys() and len(got[2]) >= 2
+    for name in want[2]:
+        assert torch.equal(got[2][name], want[2][name]), name
+
+
+@pytest.mark.parametrize("alpha", [8, 4, 32, 2, 6])  # r=4: scaling 2, 1, 8 (folded), 0.5, 1.5 (stock order)
+@pytest.mark.parametrize("amp", [torch.bfloat16, None])
+def test_bit_identical_to_peft(alpha, amp):
+    layer = _layer(alpha=alpha)
+    x = torch.randn(3, 7, 24).to(torch.bfloat16) * 3
+    assert lora_plan(layer, x, (), {}) is not None
+    _assert_same(layer, x, amp)
+
+
+def test_bit_identical_fp32_model_and_two_adapters():
+    layer = _layer(dtype=torch.float32, adapters=("one", "two"))
+    assert len(lora_plan(layer, torch.randn(2, 24), (), {})) == 2
+    _assert_same(layer, torch.randn(5, 24), None)
+    layer = _layer(adapters=("one", "two"), seed=1)
+    _assert_same(layer, torch.randn(5, 24).to(torch.bfloat16), torch.bfloat16)
+
+
+def test_refused_calls_run_peft():
+    x = torch.randn(4, 24).to(torch.bfloat16)
+    assert lora_plan(_layer(dropout=0.1), x, (), {}) is None
+    layer = _layer()
+    assert lora_plan(layer, x, (), {"adapter_names": ["default"] * 4}) is None
+    layer.lora_A["default"].register_forward_hook(lambda *a: None)
+    assert lora_plan(layer, x, (), {}) is None
+    layer = _layer()
+    layer.merge()
+    assert lora_plan(layer, x, (), {}) is None
+
+
+def _copies_and_wide_muls(forward, layer, x):
+    from torch.profiler import ProfilerActivity, profile
+
+    _run(forward, layer, x, torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        _run(forward, layer, x, torch.bfloat16)
+    T = x.shape[0]
+    copies = [e for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+              and tuple(e.input_shapes[0]) == tuple(x.shape)]
+    muls = [e for e in prof.events() if e.name == "aten::mul" and e.input_shapes
+            and tuple(e.input_shapes[0]) == (T, layer.base_layer.out_features)]
+    return len(copies), len(muls)
+
+
+def test_no_input_round_trip_and_no_full_width_scaling():
+    """PEFT under autocast: x copied to fp32 and back in the forward, both copies undone in the backward (4
+    copies of the [T, in] input), and the [T, out] output and its gradient multiplied by the scaling; the lean
+    forward: none of these (the scaling multiplies the [T, r] product)."""
+    layer = _layer(alpha=8, fin=48, fout=80)
+    x = torch.randn(16, 48).to(torch.bfloat16)
+    assert _copies_and_wide_muls(ORIGINAL, layer, x) == (4, 2)
+    assert _copies_and_wide_muls(LEAN, layer, x) == (0, 0)
+
+
+def test_apply_routes_peft_linear_when_imported():
+    import deltafuse
+
+    deltafuse.apply()
+    try:
+        assert getattr(LoraLinear.forward, "__deltafuse_wraps__", None) is ORIGINAL
+    finally:
+        deltafuse.revert()
+    assert LoraLinear.forward is ORIGINAL
+
+
+def test_tiny_moe_lora_step_under_autocast(monkeypatch):
+    """tiny-moe, bf16 weights, LoRA as ``deltafuse train`` adds it (r=16, alpha=32), CPU autocast to bf16: with
+    deltafuse applied, the loss and every LoRA gradient are bit-identical with and without the PEFT row, and
+    close to stock transformers (the other rows' fused kernels round differently)."""
+    import deltafuse
+    from deltafuse.models import build_model
+    from deltafuse.train.setup import add_lora, lora_targets
+
+    model = build_model("tiny-moe", dtype=torch.bfloat16)
+    model = add_lora(model, r=16, alpha=32, dropout=0.0, targets=lora_targets(model, None, False), experts=False)
+    model.train()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # PEFT starts B at zero (A's gradients would be zero): random B, every gradient non-zero
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    stock = step()
+    deltafuse.apply(model)
+    try:
+        assert getattr(LoraLinear.forward, "__deltafuse_wraps__", None) is ORIGINAL
+        lean = step()
+        monkeypatch.setattr(LoraLinear, "forward", ORIGINAL)
+        peft_own = step()
+    finally:
+        monkeypatch.undo()
+        deltafuse.revert()
+    assert len(lean[1]) == len(stock[1]) > 0
+    assert torch.equal(lean[0], peft_own[0])
+    for name, g in peft_own[1].items():
+        assert torch.equal(lean[1][name], g), name
+    assert abs(float(lean[0]) - float(stock[0])) <= 2e-2 * abs(float(stock[0]))
+    for name, g in stock[1].items():
+        assert g.float().norm() > 0, name
+        err = (lean[1][name].float() - g.float()).norm() / g.float().norm()
+        assert err < 5e-2, (name, float(err))

@@ -282,7 +282,7 @@ def main():
     ap.add_argument("--shapes", default="all", help="'all' or indices into the reference list, e.g. 0,1")
     ap.add_argument("--check-shape", default="1,1024,16,32,128", help="B,T,H,HV,D for the correctness check")
     ap.add_argument("--variants", default="", help="semicolon-separated ChunkOptions overrides for extra rows "
-                    "of ours, e.g. 'fwd_x2=0;fwd_store=fp32,bwd_store=fp32'")
+                    "of ours, e.g. 'fwd_prod_wh=16,fwd_prod_kv=16;prod_wy=x2'")
     ap.add_argument("--breakdown", default="", help="shape indices for a per-stage timing of ours, e.g. 0,1")
     ap.add_argument("--skip", default="", help="comma list of impls to skip: hf,fla,ours,ref")
     ap.add_argument("--packed", default="one,all1,u1-16,mix",

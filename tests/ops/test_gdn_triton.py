@@ -446,6 +446,20 @@ def test_fwd_v2_fp16(over):
     print("fp16 forward", over, errs)
 
 
+@pytest.mark.parametrize("which", ["fwd", "bwd"])
+def test_fp32_storage_of_16bit_inputs_is_refused_on_a_gpu(monkeypatch, which):
+    """fp32-stored states with 16-bit inputs gave NaN and an illegal memory access on the H200 (Triton 3.6): the
+    configuration is refused before any kernel runs on a GPU; fp32 inputs (which always store fp32) and the
+    interpreter keep it."""
+    monkeypatch.setattr(chunk_mod, "_interpreting", lambda: False)
+    with chunk_mod.configured(chunk_mod.ChunkOptions(**{which + "_store": "fp32"})):
+        with pytest.raises(ValueError, match=f"{which}_store='fp32' with bfloat16 inputs is refused on a GPU.*"
+                                             "allowed: 'input'"):
+            chunk_mod._Cfg(torch.bfloat16, 128, 128, which)
+        assert chunk_mod._Cfg(torch.float32, 128, 128, which).store == torch.float32
+    assert chunk_mod._Cfg(torch.bfloat16, 128, 128, which).store == torch.bfloat16
+
+
 def test_fwd_v2_options_are_validated():
     with pytest.raises(ValueError, match="fwd_prod_sv='bf16'; allowed: 'tf32', '16', 'x2'"):
         chunk_mod.ChunkOptions(fwd_prod_sv="bf16")
@@ -476,7 +490,6 @@ FWD_GPU_OPTIONS = [
     dict(fwd_prod_wh="16", fwd_prod_kv="16"),
     dict(fwd_prod_wh="16"),
     dict(fwd_prod_kv="16"),
-    dict(fwd_store="fp32"),
     dict(bv_hfwd=64, warps_hfwd=4, stages_hfwd=3),
     dict(bv_hfwd=16, warps_hfwd=4, stages_hfwd=1),
     dict(bv_hfwd=32, warps_hfwd=2, stages_hfwd=4),
@@ -735,7 +748,7 @@ def test_intra_options_validated():
                                   ("intra_prod", "tf32", "'x2', '16'"), ("intra_prod", None, "'x2', '16'")]:
         with pytest.raises(ValueError, match=f"ChunkOptions.{field}={value!r}; allowed: {allowed}"):
             chunk_mod.ChunkOptions(**{field: value})
-    assert chunk_mod.ChunkOptions().intra_inv == "subst" and chunk_mod.ChunkOptions().intra_prod == "x2"
+    assert chunk_mod.ChunkOptions().intra_inv == "recursive" and chunk_mod.ChunkOptions().intra_prod == "x2"
 
 
 INTRA_GPU_CASES = [(inv, prod, K) for inv in INTRA_INVS for prod in ("x2", "16") for K in (128, 16)]

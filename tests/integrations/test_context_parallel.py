@@ -78,3 +78,88 @@ def test_two_ranks_equal_stock_per_sequence(tmp_path):
                 assert worst > 100 * RTOL, (off, worst)
                 # and only there: the first rank's half is unchanged
                 assert rel_max(broken["logits"][:, :16], ref_logits[:, :16]) <= RTOL, off
+
+
+# --- one process: a group of one rank ----------------------------------------------------------------------
+@pytest.fixture
+def group(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without a process group in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        import deltafuse
+
+        deltafuse.revert()
+        dist.destroy_process_group()
+
+
+def test_one_rank_equals_stock_per_sequence(group):
+    """With one rank the whole row is the shard: the context-parallel path (sequence-by-sequence attention
+    against the gathered keys, the loss over the global count) equals stock on each sequence alone."""
+    import deltafuse
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    rows = _rows(build_model("tiny").config.vocab_size)
+    ids, pos, labels, _, _ = packed_inputs(rows)
+    ref_loss, ref_logits, ref_grads = _reference("tiny", seed, rows)
+    model = build_model("tiny", seed=seed)
+    report = deltafuse.apply(model, context_parallel=group)
+    assert report.settings["context_parallel"] == "1 ranks (this one: 0)"
+    out = model(input_ids=ids, position_ids=pos, labels=labels, skip_logits=False)
+    out.loss.backward()
+    assert rel_max(out.logits, ref_logits) <= RTOL
+    assert abs(out.loss.item() - ref_loss) <= RTOL * abs(ref_loss)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, ref_grads, rtol=RTOL)
+
+
+def test_refused_arguments(group):
+    import deltafuse
+
+    model = build_model("tiny")
+    with pytest.raises(TypeError, match=r"context_parallel='world'.*ProcessGroup"):
+        deltafuse.apply(model, context_parallel="world")
+    with pytest.raises(ValueError, match="needs the model"):
+        deltafuse.apply(None, context_parallel=group)
+    with pytest.raises(ValueError, match="gdn is off"):
+        deltafuse.apply(model, context_parallel=group, gdn=False)
+    with pytest.raises(ValueError, match="fused_ops is off"):
+        deltafuse.apply(model, context_parallel=group, fused_ops=False)
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="attention implementation is 'eager'.*allowed: 'sdpa'"):
+        deltafuse.apply(model, context_parallel=group)
+    assert not any("_deltafuse_context_parallel" in vars(m) for m in model.modules())
+
+
+def test_refused_calls_and_revert(group):
+    from deltafuse.integrations.transformers.context_parallel import ContextParallelError
+    from deltafuse.integrations.transformers.packing import PackingError
+    import deltafuse
+
+    model = build_model("tiny")
+    deltafuse.apply(model, context_parallel=group)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(ContextParallelError, match="attention_mask that masks tokens"):
+        model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ContextParallelError, match="logits_to_keep=1; allowed: 0"):
+        model(input_ids=ids, labels=ids, logits_to_keep=1)
+    with pytest.raises(ContextParallelError, match="num_items_in_batch given"):
+        model(input_ids=ids, labels=ids, num_items_in_batch=5)
+    with pytest.raises(ContextParallelError, match="seq_idx given"):
+        model(input_ids=ids, seq_idx=torch.zeros_like(ids))
+    gdn = model.model.layers[0].linear_attn
+    with pytest.raises(PackingError, match="called outside its text model"):
+        gdn(torch.randn(1, 12, model.config.hidden_size))
+    # an all-ones mask is no mask; no position_ids: one sequence per row
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    with deltafuse.patched(model):
+        pass  # a nested block leaves the registration as it found it
+    assert torch.equal(model(input_ids=ids).logits, out.logits)
+    deltafuse.revert()
+    assert not any("_deltafuse_context_parallel" in vars(m) for m in model.modules())
+    stock = model(input_ids=ids).logits
+    assert rel_max(out.logits, stock) <= RTOL

@@ -21,8 +21,8 @@ What crosses the shards, forward and backward, and nothing else:
   global position, sequence by sequence.
 * the loss (``causal_lm_forward``): labels are shifted globally (the last token of rank r predicts the first
   label of rank r+1, the last rank's last token nothing); each rank sums the losses of its own tokens, divides
-  by the global count of counted targets and the result is all-reduced (torch.distributed.nn.functional's
-  all_reduce): ``loss`` on every rank equals the single-process mean loss. Its backward all-reduces the
+  by the global count of counted targets and the result is all-reduced: ``loss`` on every rank equals the
+  single-process mean loss. Its backward all-reduces the
   seed, so each rank's parameter gradients are W times its share: averaged over the group (what DDP and
   FSDP do by default), or summed and divided by W, they equal the single-process gradients.
 
@@ -467,10 +467,24 @@ def causal_lm_forward(inner, positional, self, group, args, kwargs):
     _dist().all_reduce(count, group=group)
     kwargs["num_items_in_batch"] = count
     out = inner(self, **kwargs)
-    from torch.distributed.nn.functional import all_reduce
-
     if isinstance(out, tuple):
-        return (all_reduce(out[0], group=group),) + tuple(out[1:]) if out and out[0] is not None else out
+        return (_SumOverRanks.apply(group, out[0]),) + tuple(out[1:]) if out and out[0] is not None else out
     if out.get("loss") is not None:
-        out["loss"] = all_reduce(out["loss"], group=group)
+        out["loss"] = _SumOverRanks.apply(group, out["loss"])
     return out
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce(SUM) with autograd: the backward sums the seeds of every rank (each rank seeds its own copy of
+    the summed loss), so a rank's gradients are W times its share and their mean over the ranks is exact."""
+
+    @staticmethod
+    def forward(ctx, group, tensor):
+        ctx.group = group
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        _dist().all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _SumOverRanks.apply(ctx.group, grad)

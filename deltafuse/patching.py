@@ -132,9 +132,9 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
     the sequence (rank r holds tokens [r*T/W, (r+1)*T/W) of every row, with global position_ids); see
     ``deltafuse.integrations.transformers.context_parallel``. Needs the model and the gdn and fused_ops routes.
     """
-    # resolve() checks every argument (the switches are bools or None, backend a registered name)
-    if context_parallel is not None:
+    if context_parallel is not None:  # a ProcessGroup this process belongs to
         context_parallel = _context_parallel.check_group(context_parallel)
+    # resolve() checks every argument (the switches are bools or None, backend a registered name)
     forced = None if backend == "auto" else backend
     settings = resolve(load_settings(), gdn=gdn, fused_ops=fused_ops, moe=moe, backend=forced)
     backend = "auto" if forced is None else settings.backend

@@ -28,6 +28,7 @@ import torch
 from deltafuse import backends
 from deltafuse.config import load_settings, resolve
 from deltafuse.integrations.transformers import PATCHER, PatchReport
+from deltafuse.integrations.transformers import context_parallel as _context_parallel
 
 __all__ = ["apply", "revert", "patched", "PatchReport", "UnsupportedModelError", "find_model"]
 
@@ -123,11 +124,16 @@ def find_model(obj) -> torch.nn.Module:
 
 
 def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None, moe: bool | None = None,
-          backend: str = "auto") -> PatchReport:
+          backend: str = "auto", context_parallel=None) -> PatchReport:
     """Route the supported families' hot ops to deltafuse; returns what was patched (see ``PatchReport``).
 
     Applying again changes nothing (rows show "already applied"). ``revert()`` undoes everything.
+    ``context_parallel``: a ``torch.distributed`` process group over which ``model``'s calls are sharded along
+    the sequence (rank r holds tokens [r*T/W, (r+1)*T/W) of every row, with global position_ids); see
+    ``deltafuse.integrations.transformers.context_parallel``. Needs the model and the gdn and fused_ops routes.
     """
+    if context_parallel is not None:  # a ProcessGroup this process belongs to
+        context_parallel = _context_parallel.check_group(context_parallel)
     # resolve() checks every argument (the switches are bools or None, backend a registered name)
     forced = None if backend == "auto" else backend
     settings = resolve(load_settings(), gdn=gdn, fused_ops=fused_ops, moe=moe, backend=forced)
@@ -135,8 +141,21 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
     target = None
     if model is not None:
         target = find_model(model)
+    if context_parallel is not None:
+        if target is None:
+            raise ValueError("context_parallel=<group> needs the model: call apply(model, context_parallel=group)")
+        off = [name for name in ("patch", "gdn", "fused_ops") if not getattr(settings, name)]
+        if off:
+            raise ValueError(f"context_parallel=<group> runs inside the gdn and fused_ops routes, but {', '.join(off)} "
+                             "is off (argument or DELTAFUSE_* variable); allowed: on")
+        _context_parallel.check_model(target)
     shown = {"patch": settings.patch, "gdn": settings.gdn, "fused_ops": settings.fused_ops, "moe": settings.moe,
              "backend": backend if backend != "auto" else f"auto (DELTAFUSE_BACKEND={settings.backend})"}
+    if context_parallel is not None:
+        import torch.distributed as dist
+
+        shown["context_parallel"] = (f"{dist.get_world_size(context_parallel)} ranks (this one: "
+                                     f"{dist.get_rank(context_parallel)})")
     model_name = None if target is None else f"{type(target).__module__}.{type(target).__qualname__}"
     report = PatchReport(enabled=settings.patch, settings=shown, transformers=_transformers_version(),
                          model=model_name)
@@ -149,6 +168,8 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
         backends.set_backend_override(None if backend == "auto" else backend)
         switches = {"gdn": settings.gdn, "fused_ops": settings.fused_ops, "moe": settings.moe}
         families, rows, notes = PATCHER.apply(switches, target)
+        if context_parallel is not None:
+            _context_parallel.register(target, context_parallel)
     report.families = families
     report.rows = rows
     report.notes.extend(notes)
@@ -168,6 +189,7 @@ def revert() -> PatchReport:
     """Restore every object ``apply`` replaced (module globals, class attributes, instance attributes)."""
     with _lock:
         rows = PATCHER.revert()
+        _context_parallel.clear()
         if _saved_override:
             backends.set_backend_override(_saved_override.pop())
     return _revert_report(rows)
@@ -187,6 +209,7 @@ def patched(model=None, **kwargs):
     (rows already applied before the block stay) and restores the backend override."""
     with _lock:
         mark = PATCHER.mark()
+        cp_mark = _context_parallel.mark()
         override = backends.backend_override()
         first = not _saved_override
     report = apply(model, **kwargs)
@@ -195,6 +218,7 @@ def patched(model=None, **kwargs):
     finally:
         with _lock:
             PATCHER.revert(since=mark)
+            _context_parallel.clear(since=cp_mark)
             backends.set_backend_override(override)
             if first and _saved_override and not PATCHER.has_records():
                 _saved_override.clear()

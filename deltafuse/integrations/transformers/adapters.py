@@ -13,6 +13,8 @@ initial state continues its first sequence, its final state is that of its last 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from deltafuse import ops
@@ -35,6 +37,9 @@ def _given_packing(cu_seqlens, seq_idx, batch: int, length: int) -> Packing | No
 def _gdn_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
               packing: Packing | None):
     B, T = q.shape[:2]
+    if packing is not None and packing.context is not None:  # one shard of a context-parallel row
+        return _context_parallel_gdn(op, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                     use_qk_l2norm_in_kernel, packing)
     if packing is not None and packing.cu_seqlens is None:  # derived inside a compiled graph
         o, final, _ = _packed_gdn_op(q, k, v, g, beta, initial_state, packing.seq_idx, scale,
                                      bool(output_final_state), bool(use_qk_l2norm_in_kernel),
@@ -68,6 +73,20 @@ def _gdn_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, us
     if final is not None:
         final = final[last]
     return o, final
+
+
+def _context_parallel_gdn(op, q, k, v, g, beta, scale, initial_state, output_final_state, l2, packing: Packing):
+    from deltafuse.integrations.transformers import context_parallel as cp
+
+    if op is not ops.chunk_gated_delta_rule or initial_state is not None or output_final_state:
+        raise cp.ContextParallelError("context parallelism: a GDN call with a cache (decoding, an initial or a "
+                                      "final state); allowed: the chunked op without a cache")
+    local = dataclasses.replace(packing, context=None)
+
+    def run(q_, k_, v_, g_, b_, h0):
+        return _gdn_call(op, q_, k_, v_, g_, b_, scale, h0, True, l2, local)
+
+    return cp.relay_gated_delta_rule(run, q, k, v, g, beta, packing.context), None
 
 
 def _state_replaced_in_place(initial_state, output_final_state, *tensors) -> bool:
@@ -181,7 +200,16 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
         cu_seqlens = kwargs.get("cu_seq_lens_q")
     if seq_idx is None:
         seq_idx = kwargs.get("seq_idx")
-    sid = _conv_seq_idx(x, _conv_packing(x, seq_idx, cu_seqlens))
+    packing = _conv_packing(x, seq_idx, cu_seqlens)
+    if packing is not None and packing.context is not None:  # one shard of a context-parallel row
+        from deltafuse.integrations.transformers import context_parallel as cp
+
+        if initial_states is not None or return_final_states or x.shape[-1] != packing.length:
+            raise cp.ContextParallelError("context parallelism: a conv call with a cache (initial or final "
+                                          "states); allowed: the conv over the shard without a cache")
+        return cp.halo_conv1d(ops.causal_conv1d_fn, x, weight, bias, activation, _conv_seq_idx(x, packing),
+                              packing.context)
+    sid = _conv_seq_idx(x, packing)
     return ops.causal_conv1d_fn(x, weight, bias, seq_idx=sid, initial_states=initial_states,
                                 return_final_states=return_final_states, final_states_out=final_states_out,
                                 activation=activation)

@@ -29,7 +29,7 @@ import inspect
 import torch
 
 from deltafuse import ops
-from deltafuse.integrations.transformers.packing import PACKING_KWARG
+from deltafuse.integrations.transformers.packing import CONTEXT_PARALLEL_ATTR, PACKING_KWARG
 
 # Keywords a patched ``*ForCausalLM.forward`` takes (Liger's protocol, and deltafuse's older alias):
 # skip_logits=False (or deltafuse_logits=True) returns the logits with the loss, skip_logits=True skips them,
@@ -271,6 +271,14 @@ def wrap_causal_lm_forward(original):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
+        group = getattr(self, CONTEXT_PARALLEL_ATTR, None)
+        if group is not None:  # one shard of every row: labels shifted across ranks, loss reduced over them
+            from deltafuse.integrations.transformers import context_parallel
+
+            return context_parallel.causal_lm_forward(local_forward, positional, self, group, args, kwargs)
+        return local_forward(self, *args, **kwargs)
+
+    def local_forward(self, *args, **kwargs):
         skip = _skip_logits(kwargs)
         accuracy = _flag(ACCURACY_KWARG, kwargs.pop(ACCURACY_KWARG, False), allow_none=False)
         if args:
@@ -417,6 +425,11 @@ def wrap_sdpa_attention(original):
     @functools.wraps(original)
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                is_causal=None, **kwargs):
+        packing = kwargs.get(PACKING_KWARG)
+        if packing is not None and packing.context is not None:  # one shard of a context-parallel row
+            from deltafuse.integrations.transformers import context_parallel
+
+            return context_parallel.attention(module, query, key, value, dropout, scaling, packing), None
         if _routable_attention(module, is_causal, kwargs):
             if query.device.type == "npu":
                 from deltafuse.ops.attention import sdpa_route

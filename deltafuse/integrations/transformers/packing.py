@@ -128,6 +128,8 @@ class Packing:
     block_causal: the attention mask transformers builds for this batch is exactly "causal within each
         sequence" (no attention mask, no cache, position_ids restarting at these boundaries), so attention may
         be computed sequence by sequence.
+    context: under context parallelism, this rank's ``Shard`` (``context_parallel.py``): the batch is one
+        contiguous shard of every row, and a row's first sequence may continue the previous rank's last one.
     """
 
     seq_idx: torch.Tensor
@@ -136,6 +138,7 @@ class Packing:
     length: int
     offsets: tuple[int, ...] | None = ()
     block_causal: bool = False
+    context: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.offsets is not None and len(self.offsets) != self.cu_seqlens.numel():
@@ -369,6 +372,19 @@ def _transformers_version() -> str:
         return transformers.__version__
     except Exception:  # pragma: no cover - transformers is what calls this code
         return "?"
+
+
+# Instance attribute holding the process group of a context-parallel model's modules (context_parallel.py
+# sets it; an attribute lookup, which torch.compile traces, costs nothing on other models).
+CONTEXT_PARALLEL_ATTR = "_deltafuse_context_parallel"
+
+
+def _context_parallel():
+    from deltafuse.integrations.transformers import context_parallel
+
+    return context_parallel
+
+
 def wrap_text_model_forward(original):
     """Text-model forward that derives the packing once per call and passes it to every decoder layer.
 
@@ -384,6 +400,9 @@ def wrap_text_model_forward(original):
     def forward(self, *args, **kwargs):
         if PACKING_KWARG in kwargs:
             return original(self, *args, **kwargs)
+        group = getattr(self, CONTEXT_PARALLEL_ATTR, None)
+        if group is not None:
+            return _context_parallel().text_model_forward(original, signature, self, group, args, kwargs)
         ids = _argument(signature, args, kwargs, "input_ids")
         embeds = _argument(signature, args, kwargs, "inputs_embeds")
         ref = ids if ids is not None else embeds
@@ -487,6 +506,10 @@ def wrap_gdn_forward(original):
         batch, length = int(hidden.shape[0]), int(hidden.shape[1])
         if packing is None:
             packing = packing_from_kwargs(kwargs, batch, length)
+        if (packing is None or packing.context is None) and getattr(self, CONTEXT_PARALLEL_ATTR, None) is not None:
+            raise PackingError(f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}) belongs to a "
+                               "context-parallel model but was called outside its text model's forward (which "
+                               "shares the sequence boundaries and states between the ranks); call the model")
         for name in BOUNDARY_KWARGS:
             kwargs.pop(name, None)
         if packing is None:

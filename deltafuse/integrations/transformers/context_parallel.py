@@ -1,0 +1,490 @@
+"""Context parallelism: every row's tokens split into contiguous shards over a process group, computed exactly.
+
+``deltafuse.apply(model, context_parallel=group)``: with W ranks in ``group``, rank r holds tokens
+[r*T/W, (r+1)*T/W) of every row ([B, T/W] inputs, the same B and T/W on every rank) with their global
+``position_ids`` (packed rows: positions restart at 0 at each sequence start, also inside a shard; a sequence
+may cross any shard edge). ``position_ids`` left out mean one sequence per row (global positions r*T/W + t).
+Boundaries come from the global positions only: every rank gathers them (B*T integers) and derives the
+sequences of the whole row, so a sequence start exactly at a shard edge is seen as such.
+
+What crosses the shards, forward and backward, and nothing else:
+
+* GDN layers (``relay_gated_delta_rule``): rank r receives from rank r-1 the final recurrent state of each
+  row's last sequence, runs its shard with it as the initial state of the row's first sequence when that
+  sequence continues across the edge (zeros otherwise), and sends its own final states to rank r+1. Backward
+  runs the chain in reverse: the gradient of the final state comes from r+1, the initial state's goes to r-1.
+  The ranks run one after another (a sequential relay): exact, not yet faster than one rank.
+* causal conv1d (``halo_conv1d``): rank r receives the last kernel-1 inputs of rank r-1 as the initial conv
+  state, with the positions of another sequence than its first token's zeroed; their gradient goes back.
+* full attention (``attention``): K and V are all-gathered (torch.distributed.nn.functional.all_gather, whose
+  backward is a reduce-scatter); the local queries attend to the keys of their own sequence up to their own
+  global position, sequence by sequence.
+* the loss (``causal_lm_forward``): labels are shifted globally (the last token of rank r predicts the first
+  label of rank r+1, the last rank's last token nothing); each rank sums the losses of its own tokens, divides
+  by the global count of counted targets and the result is all-reduced: ``loss`` on every rank equals the
+  single-process mean loss. Its backward all-reduces the
+  seed, so each rank's parameter gradients are W times its share: averaged over the group (what DDP and
+  FSDP do by default), or summed and divided by W, they equal the single-process gradients.
+
+Refused (one-line errors naming the argument): a cache, an attention mask with zeros, explicit
+``cu_seq_lens_q`` / ``seq_idx``, multimodal [3, B, T] positions, unequal shapes across ranks, shards shorter
+than the conv kernel - 1, attention implementations other than ``sdpa``, attention dropout, ``logits_to_keep``,
+``return_token_accuracy``, router aux losses and ``num_items_in_batch`` (the global count is derived here),
+torch.compile.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from deltafuse.integrations.transformers import packing as p
+
+# Exchanges a test may turn off to show that the parity tests see them ("relay", "halo"); never set otherwise.
+_DISABLED: set = set()
+
+# The modules given the group attribute (``packing.CONTEXT_PARALLEL_ATTR``), to remove it on revert.
+_REGISTERED: list = []
+
+
+class ContextParallelError(ValueError):
+    """A call that context parallelism cannot compute exactly."""
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def check_group(group) -> object:
+    """The group, checked: a torch.distributed ProcessGroup this process belongs to (raises otherwise)."""
+    allowed = "None or a torch.distributed ProcessGroup this process belongs to (e.g. dist.group.WORLD)"
+    if not torch.distributed.is_available():
+        raise TypeError(f"context_parallel={group!r}: torch.distributed is not available in this torch; allowed: "
+                        "None")
+    dist = _dist()
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"context_parallel={group!r} (type {type(group).__name__}); allowed: {allowed}")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"context_parallel={group!r}: this process (global rank {dist.get_rank()}) is not a member "
+                         f"of the group; allowed: {allowed}")
+    if dist.get_world_size(group) < 1:
+        raise ValueError(f"context_parallel={group!r} has world size {dist.get_world_size(group)}; allowed: >= 1")
+    return group
+
+
+def check_model(target: torch.nn.Module) -> None:
+    """Raise unless every config in ``target`` selects an attention implementation served here (sdpa)."""
+    for module in target.modules():
+        config = getattr(module, "config", None)
+        impl = getattr(config, "_attn_implementation", None)
+        if impl is not None and impl != "sdpa":
+            raise ValueError(f"context_parallel: the model's attention implementation is {impl!r} "
+                             f"({type(module).__name__}.config._attn_implementation); allowed: 'sdpa'")
+        dropout = getattr(config, "attention_dropout", 0.0) if config is not None else 0.0
+        if dropout:
+            raise ValueError(f"context_parallel: attention_dropout={dropout} ({type(module).__name__}.config); "
+                             "allowed: 0.0")
+
+
+def register(target: torch.nn.Module, group) -> None:
+    """Mark every module of ``target`` as sharding its context over ``group``."""
+    for module in target.modules():
+        previous = vars(module).get(p.CONTEXT_PARALLEL_ATTR)
+        if previous is not group:
+            vars(module)[p.CONTEXT_PARALLEL_ATTR] = group
+            _REGISTERED.append((weakref.ref(module), previous))
+
+
+def group_of(module):
+    return getattr(module, p.CONTEXT_PARALLEL_ATTR, None)
+
+
+def mark() -> int:
+    return len(_REGISTERED)
+
+
+def clear(since: int = 0) -> None:
+    """Unmark the modules marked after ``mark()`` returned ``since`` (all by default)."""
+    for ref, previous in reversed(_REGISTERED[since:]):
+        module = ref()
+        if module is None:
+            continue
+        if previous is None:
+            vars(module).pop(p.CONTEXT_PARALLEL_ATTR, None)
+        else:
+            vars(module)[p.CONTEXT_PARALLEL_ATTR] = previous
+    del _REGISTERED[since:]
+
+
+def _refuse(what: str, allowed: str) -> ContextParallelError:
+    return ContextParallelError(f"context parallelism: {what}; allowed: {allowed}")
+
+
+# --- the shard ----------------------------------------------------------------------------------------------
+class Shard:
+    """Rank ``rank`` of ``world``: columns [rank*length, (rank+1)*length) of [batch, world*length] rows.
+
+    global_seq: [B, T] sequence id of every global token (ids grow along each row and differ between rows);
+    continues: per row, whether its first local token continues the previous rank's last sequence;
+    first_start: per row, the global column where the sequence of its first local token starts.
+    """
+
+    def __init__(self, group, rank: int, world: int, batch: int, length: int, global_seq: torch.Tensor,
+                 continues: tuple[bool, ...], first_start: tuple[int, ...]):
+        self.group, self.rank, self.world = group, rank, world
+        self.batch, self.length = batch, length
+        self.global_seq = global_seq
+        self.continues = continues
+        self.first_start = first_start
+        self.attention_calls = 0
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.length
+
+    def peer(self, offset: int) -> int:
+        return _dist().get_global_rank(self.group, self.rank + offset)
+
+
+def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    dist = _dist()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def _same_shapes(shape: tuple[int, ...], group, what: str, device) -> None:
+    shapes = _gather(torch.tensor(shape, dtype=torch.int64, device=device), group)
+    got = [tuple(int(v) for v in s.tolist()) for s in shapes]
+    if any(s != got[0] for s in got):
+        raise _refuse(f"{what} differ between the ranks: {got}", "the same shape on every rank (rank r holds "
+                      "tokens [r*T/W, (r+1)*T/W) of every row)")
+
+
+def _shard_packing(group, positions: torch.Tensor) -> p.Packing:
+    """The Packing of this rank's [B, L] shard, from its global positions, with the Shard attached."""
+    dist = _dist()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    B, L = positions.shape
+    full = torch.cat(_gather(positions.to(torch.int64), group), dim=1)  # [B, W*L]
+    starts = torch.ones_like(full, dtype=torch.bool)
+    starts[:, 1:] = (full[:, 1:] - full[:, :-1]) != 1
+    global_seq = (starts.reshape(-1).to(torch.int64).cumsum(0) - 1).view(B, world * L)
+    lo = rank * L
+    local = starts[:, lo:lo + L].clone()
+    continues = tuple(bool(v) for v in (~local[:, 0]).tolist())
+    local[:, 0] = True
+    first_start = []
+    for b in range(B):
+        first_start.append(int(starts[b, :lo + 1].nonzero()[-1]))
+    flat = local.reshape(-1)
+    seq_idx = (flat.to(torch.int64).cumsum(0) - 1).view(B, L)
+    offsets = tuple(int(v) for v in flat.nonzero().squeeze(1).tolist()) + (B * L,)
+    cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=positions.device)
+    p._HOST_OFFSETS[cu_seqlens] = (cu_seqlens._version, offsets)
+    shard = Shard(group, rank, world, B, L, global_seq, continues, tuple(first_start))
+    return p.Packing(seq_idx, cu_seqlens, B, L, offsets, block_causal=False, context=shard)
+
+
+def _full_attention_layers(config) -> int | None:
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return None
+    return sum(t == "full_attention" for t in types[:getattr(config, "num_hidden_layers", len(types))])
+
+
+def text_model_forward(original, signature, self, group, args, kwargs):
+    """The text model's forward on this rank's shard: derives the Shard and hands it to the layers."""
+    if p.PACKING_KWARG in kwargs:
+        return original(self, *args, **kwargs)
+    if torch.compiler.is_compiling():
+        raise _refuse("torch.compile of a context-parallel model", "eager calls")
+    ids = p._argument(signature, args, kwargs, "input_ids")
+    embeds = p._argument(signature, args, kwargs, "inputs_embeds")
+    ref = ids if ids is not None else embeds
+    if ref is None or ref.dim() < 2:
+        raise _refuse("a call without [B, T] input_ids or inputs_embeds", "[B, T/W] tokens of every row")
+    B, L = int(ref.shape[0]), int(ref.shape[1])
+    for name in ("cache", "past_key_values", "cache_params"):
+        if p._argument(signature, args, kwargs, name) is not None:
+            raise _refuse(f"{name} given (a cache)", "no cache (training and scoring)")
+    for name in p.BOUNDARY_KWARGS:
+        if kwargs.get(name) is not None:
+            raise _refuse(f"{name} given", "sequence boundaries as global position_ids only")
+    mask = p._argument(signature, args, kwargs, "attention_mask")
+    if mask is not None:
+        if not p._all_ones_mask(mask):
+            raise _refuse("an attention_mask that masks tokens (padding) or is not 2-D",
+                          "no attention_mask, or a 2-D one of all ones")
+        args = p._set_argument(signature, args, kwargs, "attention_mask", None)
+    impl = getattr(self.config, "_attn_implementation", None)
+    if impl != "sdpa":
+        raise _refuse(f"attention implementation {impl!r}", "'sdpa'")
+    dist = _dist()
+    rank = dist.get_rank(group)
+    position_ids = p._argument(signature, args, kwargs, "position_ids")
+    if position_ids is None:
+        text = (rank * L + torch.arange(L, device=ref.device)).expand(B, L)
+    else:
+        if position_ids.dim() == 3 and position_ids.shape[0] not in (3, 4):
+            raise _refuse(f"position_ids of shape {tuple(position_ids.shape)}", "[B, T/W], [1, T/W], [T/W] or "
+                          "[3|4, B, T/W]")
+        text = p.text_positions(position_ids)
+        if text is None:
+            raise _refuse("[3, B, T] position_ids whose rows differ (multimodal RoPE)", "text positions")
+        if text.dim() == 1:
+            text = text[None]
+        if text.dim() != 2 or text.shape[1] != L or text.shape[0] not in (1, B):
+            raise _refuse(f"position_ids of shape {tuple(position_ids.shape)} for a [{B}, {L}] shard",
+                          "[B, T/W], [1, T/W], [T/W] or [3|4, B, T/W]")
+        text = text.expand(B, L)
+        if position_ids.dim() == 3 and position_ids.shape[0] == 3:
+            args = p._set_argument(signature, args, kwargs, "position_ids", text)
+    _same_shapes((B, L), group, "the shard shapes [B, T/W]", ref.device)
+    kernel = getattr(self.config, "linear_conv_kernel_dim", 1)
+    if dist.get_world_size(group) > 1 and L < kernel - 1:
+        raise _refuse(f"shards of {L} tokens with a conv kernel of {kernel}", f"at least {kernel - 1} tokens "
+                      "per rank")
+    packing = _shard_packing(group, text)
+    if position_ids is None:
+        args = p._set_argument(signature, args, kwargs, "position_ids", text)
+    kwargs[p.PACKING_KWARG] = packing
+    if p._argument(signature, args, kwargs, "use_cache") is not False:
+        args = p._set_argument(signature, args, kwargs, "use_cache", False)
+    token = p._MODEL_PACKING.set(packing)
+    try:
+        out = original(self, *args, **kwargs)
+    finally:
+        p._MODEL_PACKING.reset(token)
+    expected = _full_attention_layers(self.config)
+    if expected is not None and packing.context.attention_calls != expected:
+        raise _refuse(f"{packing.context.attention_calls} of {expected} full-attention layers ran deltafuse's "
+                      "context-parallel attention (the sdpa route is not applied, or a layer calls another "
+                      "attention function)", "deltafuse.apply(model, context_parallel=...) with fused_ops on")
+    return out
+
+
+# --- point-to-point exchanges with autograd ------------------------------------------------------------------
+def _send(tensor: torch.Tensor, shard: Shard, offset: int) -> None:
+    _dist().send(tensor.contiguous(), dst=shard.peer(offset), group=shard.group)
+
+
+def _recv(like: torch.Tensor, shard: Shard, offset: int) -> torch.Tensor:
+    out = torch.empty_like(like, memory_format=torch.contiguous_format)
+    _dist().recv(out, src=shard.peer(offset), group=shard.group)
+    return out
+
+
+def _exchange(tensor: torch.Tensor, shard: Shard, to: int) -> torch.Tensor:
+    """Send ``tensor`` to rank + ``to`` and receive the same shape from rank - ``to`` (zeros where that rank does
+    not exist); every rank posts both before waiting (deadlock-free for any W)."""
+    dist = _dist()
+    out = torch.zeros_like(tensor, memory_format=torch.contiguous_format)
+    works = []
+    if 0 <= shard.rank - to < shard.world:
+        works.append(dist.irecv(out, src=shard.peer(-to), group=shard.group))
+    if 0 <= shard.rank + to < shard.world:
+        works.append(dist.isend(tensor.contiguous(), dst=shard.peer(to), group=shard.group))
+    for work in works:
+        work.wait()
+    return out
+
+
+class _Halo(torch.autograd.Function):
+    """The previous rank's ``tail`` (zeros on rank 0); backward returns the gradient to where it came from."""
+
+    @staticmethod
+    def forward(ctx, shard, tail):
+        ctx.shard = shard
+        return _exchange(tail, shard, +1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _exchange(grad, ctx.shard, -1)
+
+
+def halo_conv1d(conv, x, weight, bias, activation, seq_idx, shard: Shard):
+    """``conv(x, weight, bias, seq_idx=..., initial_states=..., activation=...)`` on this rank's shard with the
+    previous rank's last W-1 inputs as the initial state of each row's first sequence (positions of another
+    sequence zeroed: a boundary at or just before the edge stops it)."""
+    W = weight.shape[1]
+    if W == 1 or shard.world == 1:
+        return conv(x, weight, bias, seq_idx=seq_idx, activation=activation)
+    B, C, L = x.shape
+    if L < W - 1:
+        raise _refuse(f"a conv input of {L} tokens with a kernel of {W}", f"at least {W - 1} tokens per rank")
+    halo = _Halo.apply(shard, x[:, :, L - (W - 1):])
+    if shard.rank == 0 or "halo" in _DISABLED:
+        keep = torch.zeros(B, W - 1, dtype=torch.bool, device=x.device)
+    else:
+        seq = shard.global_seq.to(x.device)
+        keep = seq[:, shard.start - (W - 1):shard.start] == seq[:, shard.start:shard.start + 1]
+    initial = halo * keep[:, None, :].to(halo.dtype)
+    return conv(x, weight, bias, seq_idx=seq_idx, initial_states=initial, activation=activation)
+
+
+class _Relay(torch.autograd.Function):
+    """The GDN op on this rank's shard between the previous rank's final states and the next rank."""
+
+    @staticmethod
+    def forward(ctx, shard, run, state_shape, state_dtype, *inputs):
+        B = shard.batch
+        like = inputs[0].new_zeros(state_shape, dtype=state_dtype)
+        incoming = _recv(like, shard, -1) if shard.rank > 0 else like
+        h0 = None  # the leaf whose gradient goes back to the previous rank
+        needs = [t is not None and t.requires_grad for t in inputs]
+        grad = any(needs)
+        with torch.set_grad_enabled(grad):
+            leaves = [t.detach().requires_grad_(n) if t is not None else None for t, n in zip(inputs, needs)]
+            initial = None
+            if any(shard.continues) and "relay" not in _DISABLED:
+                h0 = incoming.requires_grad_(grad)
+                mask = torch.tensor(shard.continues, device=like.device).view(B, 1, 1, 1)
+                initial = h0 * mask.to(h0.dtype)  # rows whose first sequence starts at the edge start from zeros
+            o, final = run(*leaves, initial)
+        if final.shape != like.shape or final.dtype != like.dtype:
+            raise RuntimeError(f"context-parallel GDN: final state {tuple(final.shape)} {final.dtype}, expected "
+                               f"{tuple(like.shape)} {like.dtype}")
+        if shard.rank < shard.world - 1:
+            _send(final.detach(), shard, +1)
+        ctx.shard, ctx.leaves, ctx.h0, ctx.o, ctx.final, ctx.like = shard, leaves, h0, o, final, like
+        return o.detach()
+
+    @staticmethod
+    def backward(ctx, do):
+        shard = ctx.shard
+        dfinal = _recv(ctx.like, shard, +1) if shard.rank < shard.world - 1 else None
+        outs, seeds = [ctx.o], [do]
+        if dfinal is not None and ctx.final.requires_grad:
+            outs.append(ctx.final)
+            seeds.append(dfinal)
+        targets = [t for t in ctx.leaves if t is not None and t.requires_grad]
+        with_h0 = ctx.h0 is not None and ctx.h0.requires_grad
+        if with_h0:
+            targets.append(ctx.h0)
+        got = list(torch.autograd.grad(outs, targets, seeds, allow_unused=True))
+        dh0 = got.pop() if with_h0 else None
+        if shard.rank > 0:
+            _send(torch.zeros_like(ctx.like) if dh0 is None else dh0, shard, -1)
+        grads = []
+        for t in ctx.leaves:
+            grads.append(got.pop(0) if t is not None and t.requires_grad else None)
+        ctx.leaves = ctx.h0 = ctx.o = ctx.final = None
+        return (None, None, None, None) + tuple(grads)
+
+
+def relay_gated_delta_rule(run, q, k, v, g, beta, shard: Shard):
+    """``run(q, k, v, g, beta, initial_state) -> (o, final state per row)`` on this rank's shard, with the
+    state relay to and from the neighbouring ranks (see the module docstring)."""
+    state_shape = (shard.batch, v.shape[2], q.shape[3], v.shape[3])
+    state_dtype = torch.promote_types(q.dtype, torch.float32)
+    if shard.world == 1:
+        return run(q, k, v, g, beta, None)[0]
+    return _Relay.apply(shard, run, state_shape, state_dtype, q, k, v, g, beta)
+
+
+# --- attention ------------------------------------------------------------------------------------------------
+def attention(module, query, key, value, dropout, scaling, packing: p.Packing):
+    """Causal attention of the local queries [B, Hq, L, D] against every rank's keys of their own sequence.
+    Returns [B, L, Hq, D] (contiguous), what transformers' attention functions return."""
+    import torch.nn.functional as F
+
+    shard = packing.context
+    if dropout:
+        raise _refuse(f"attention dropout {dropout}", "0.0 (config.attention_dropout=0 or model.eval())")
+    B, Hq, L, D = query.shape
+    Hk = key.shape[1]
+    if Hq % Hk:
+        raise ValueError(f"query has {Hq} heads and key {Hk}; the query heads must be a multiple of the key heads")
+    if shard.world > 1:
+        from torch.distributed.nn.functional import all_gather
+
+        both = torch.cat([key, value], dim=1) if key.shape[-1] == value.shape[-1] else None
+        if both is not None:
+            full = torch.cat(all_gather(both, group=shard.group), dim=2)
+            key, value = full[:, :Hk], full[:, Hk:]
+        else:
+            key = torch.cat(all_gather(key, group=shard.group), dim=2)
+            value = torch.cat(all_gather(value, group=shard.group), dim=2)
+    group = Hq // Hk
+    rows = [[] for _ in range(B)]
+    offsets = packing.offsets
+    for s, e in zip(offsets[:-1], offsets[1:]):
+        b = s // L
+        i0, lq = s - b * L, e - s
+        g0 = shard.start + i0
+        first = shard.first_start[b] if i0 == 0 else g0
+        lk = g0 - first + lq
+        k = key[b:b + 1, :, first:g0 + lq]
+        v = value[b:b + 1, :, first:g0 + lq]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
+        rows[b].append(F.scaled_dot_product_attention(query[b:b + 1, :, i0:i0 + lq], k, v, attn_mask=mask,
+                                                      scale=scaling))
+    shard.attention_calls += 1
+    out = torch.cat([torch.cat(parts, dim=2) for parts in rows], dim=0)
+    return out.transpose(1, 2).contiguous()
+
+
+# --- the loss -----------------------------------------------------------------------------------------------
+def causal_lm_forward(inner, positional, self, group, args, kwargs):
+    """The causal LM's forward on this rank's shard, with the labels shifted across ranks and the loss reduced
+    to the single-process mean (see the module docstring)."""
+    if args:
+        if len(args) > len(positional) or any(n in kwargs for n in positional[:len(args)]):
+            return inner(self, *args, **kwargs)  # let the stock forward report the bad call
+        kwargs = {**dict(zip(positional, args)), **kwargs}
+    keep = kwargs.get("logits_to_keep", 0)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep != 0:
+        raise _refuse(f"logits_to_keep={keep!r}", "0")
+    if kwargs.get("return_token_accuracy"):
+        raise _refuse("return_token_accuracy=True", "False")
+    if kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False)):
+        raise _refuse("output_router_logits=True (a router aux loss over this rank's tokens only)", "False")
+    labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
+    if labels is None and shift is None:
+        return inner(self, **kwargs)
+    if kwargs.get("num_items_in_batch") is not None:
+        raise _refuse("num_items_in_batch given", "None (the global count of targets is derived across ranks)")
+    ignore = kwargs.get("ignore_index", -100)
+    target = labels if shift is None else shift
+    if not isinstance(target, torch.Tensor) or target.dim() != 2:
+        raise _refuse(f"labels of shape {getattr(target, 'shape', type(target).__name__)}", "[B, T/W]")
+    _same_shapes(tuple(target.shape), group, "the label shapes [B, T/W]", target.device)
+    if shift is None:
+        dist = _dist()
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        firsts = _gather(labels[:, :1], group)
+        nxt = firsts[rank + 1] if rank + 1 < world else torch.full_like(labels[:, :1], ignore)
+        kwargs["shift_labels"] = torch.cat([labels[:, 1:], nxt.to(labels.device)], dim=1)
+    elif labels is None:
+        kwargs["labels"] = shift  # the stock forward computes a loss only with labels; shift_labels wins
+    count = (kwargs["shift_labels"] != ignore).sum().to(torch.int64)
+    _dist().all_reduce(count, group=group)
+    kwargs["num_items_in_batch"] = count
+    out = inner(self, **kwargs)
+    if isinstance(out, tuple):
+        return (_SumOverRanks.apply(group, out[0]),) + tuple(out[1:]) if out and out[0] is not None else out
+    if out.get("loss") is not None:
+        out["loss"] = _SumOverRanks.apply(group, out["loss"])
+    return out
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce(SUM) with autograd: the backward sums the seeds of every rank (each rank seeds its own copy of
+    the summed loss), so a rank's gradients are W times its share and their mean over the ranks is exact."""
+
+    @staticmethod
+    def forward(ctx, group, tensor):
+        ctx.group = group
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        _dist().all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _SumOverRanks.apply(ctx.group, grad)

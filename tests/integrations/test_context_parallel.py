@@ -1,0 +1,165 @@
+"""Context parallelism (``deltafuse.apply(model, context_parallel=group)``).
+
+Two gloo processes on CPU each hold one half of every row; the gathered logits, the loss and every parameter
+gradient (averaged over the ranks) equal stock transformers run on one process over each sequence alone.
+The rows cover one sequence split across the two ranks, a sequence that starts two tokens before the shard
+edge (the conv halo is partly another sequence), boundaries inside each shard, one exactly at the edge and a
+one-token sequence there. The same run with the state relay (or the conv halo) turned off must differ.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltafuse.models import build_model
+from tests.integrations import assert_grads_close, packed_inputs, per_sequence_stock, rel_max
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# three rows of 32 tokens, split at 16: one sequence; boundaries at 5, 14 (crosses the edge two tokens after
+# its start) and 26; boundaries at 5, 16 (the edge: a one-token sequence) 17 and 24
+LENGTHS = [[32], [5, 9, 12, 6], [5, 11, 1, 7, 8]]
+RTOL = 1e-5
+
+
+def _rows(vocab: int) -> list[list[torch.Tensor]]:
+    return [[torch.randint(0, vocab, (n,)) for n in row] for row in LENGTHS]
+
+
+def _reference(family: str, seed: int, rows):
+    model = build_model(family, seed=seed)
+    loss, logits = per_sequence_stock(model, rows)
+    return loss.item(), logits, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow  # two processes; the full run only
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_two_ranks_equal_stock_per_sequence(tmp_path):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    cases, refs = {}, {}
+    for family in ("tiny", "tiny-next"):
+        rows = _rows(build_model(family).config.vocab_size)
+        ids, pos, labels, _, _ = packed_inputs(rows)
+        base = {"family": family, "seed": seed, "ids": ids, "pos": pos, "labels": labels}
+        cases[family] = {**base, "disabled": []}
+        refs[family] = (family, rows)
+        if family == "tiny":
+            cases["tiny, relay off"] = {**base, "disabled": ["relay"]}
+            cases["tiny, halo off"] = {**base, "disabled": ["halo"]}
+    out = str(tmp_path / "cp.pt")
+    torch.save(cases, out + ".data")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "tests", "integrations", "context_parallel_worker.py"), out],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = torch.load(out)
+    for family, rows in refs.values():
+        ref_loss, ref_logits, ref_grads = _reference(family, seed, rows)
+        got = results[family]
+        assert got["settings"]["context_parallel"].startswith("2 ranks"), got["settings"]
+        assert got["local_logits_shape"] == (3, 16, ref_logits.shape[-1])  # each rank computed its half only
+        assert got["fused_logits"] is None  # the second pass took the fused loss
+        assert rel_max(got["logits"], ref_logits) <= RTOL, (family, rel_max(got["logits"], ref_logits))
+        for key in ("loss_stock_path", "loss"):
+            assert abs(got[key] - ref_loss) <= RTOL * abs(ref_loss), (family, key, got[key], ref_loss)
+        assert_grads_close(got["grads_stock_path"], ref_grads, rtol=RTOL)
+        assert_grads_close(got["grads"], ref_grads, rtol=RTOL)
+        if family == "tiny":
+            for off in ("relay", "halo"):
+                broken = results[f"tiny, {off} off"]
+                # the exchange matters: without it the second half of the crossing sequences is wrong
+                assert rel_max(broken["logits"], ref_logits) > 100 * RTOL, off
+                worst = max(rel_max(broken["grads"][n], g) for n, g in ref_grads.items() if g is not None)
+                assert worst > 100 * RTOL, (off, worst)
+                # and only there: the first rank's half is unchanged
+                assert rel_max(broken["logits"][:, :16], ref_logits[:, :16]) <= RTOL, off
+
+
+# --- one process: a group of one rank ----------------------------------------------------------------------
+@pytest.fixture
+def group(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without a process group in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        import deltafuse
+
+        deltafuse.revert()
+        dist.destroy_process_group()
+
+
+def test_one_rank_equals_stock_per_sequence(group):
+    """With one rank the whole row is the shard: the context-parallel path (sequence-by-sequence attention
+    against the gathered keys, the loss over the global count) equals stock on each sequence alone."""
+    import deltafuse
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    rows = _rows(build_model("tiny").config.vocab_size)
+    ids, pos, labels, _, _ = packed_inputs(rows)
+    ref_loss, ref_logits, ref_grads = _reference("tiny", seed, rows)
+    model = build_model("tiny", seed=seed)
+    report = deltafuse.apply(model, context_parallel=group)
+    assert report.settings["context_parallel"] == "1 ranks (this one: 0)"
+    out = model(input_ids=ids, position_ids=pos, labels=labels, skip_logits=False)
+    out.loss.backward()
+    assert rel_max(out.logits, ref_logits) <= RTOL
+    assert abs(out.loss.item() - ref_loss) <= RTOL * abs(ref_loss)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, ref_grads, rtol=RTOL)
+
+
+def test_refused_arguments(group):
+    import deltafuse
+
+    model = build_model("tiny")
+    with pytest.raises(TypeError, match=r"context_parallel='world'.*ProcessGroup"):
+        deltafuse.apply(model, context_parallel="world")
+    with pytest.raises(ValueError, match="needs the model"):
+        deltafuse.apply(None, context_parallel=group)
+    with pytest.raises(ValueError, match="gdn is off"):
+        deltafuse.apply(model, context_parallel=group, gdn=False)
+    with pytest.raises(ValueError, match="fused_ops is off"):
+        deltafuse.apply(model, context_parallel=group, fused_ops=False)
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="attention implementation is 'eager'.*allowed: 'sdpa'"):
+        deltafuse.apply(model, context_parallel=group)
+    assert not any("_deltafuse_context_parallel" in vars(m) for m in model.modules())
+
+
+def test_refused_calls_and_revert(group):
+    from deltafuse.integrations.transformers.context_parallel import ContextParallelError
+    from deltafuse.integrations.transformers.packing import PackingError
+    import deltafuse
+
+    model = build_model("tiny")
+    deltafuse.apply(model, context_parallel=group)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(ContextParallelError, match="attention_mask that masks tokens"):
+        model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ContextParallelError, match="logits_to_keep=1; allowed: 0"):
+        model(input_ids=ids, labels=ids, logits_to_keep=1)
+    with pytest.raises(ContextParallelError, match="num_items_in_batch given"):
+        model(input_ids=ids, labels=ids, num_items_in_batch=5)
+    with pytest.raises(ContextParallelError, match="seq_idx given"):
+        model(input_ids=ids, seq_idx=torch.zeros_like(ids))
+    gdn = model.model.layers[0].linear_attn
+    with pytest.raises(PackingError, match="called outside its text model"):
+        gdn(torch.randn(1, 12, model.config.hidden_size))
+    # an all-ones mask is no mask; no position_ids: one sequence per row
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    with deltafuse.patched(model):
+        pass  # a nested block leaves the registration as it found it
+    assert torch.equal(model(input_ids=ids).logits, out.logits)
+    deltafuse.revert()
+    assert not any("_deltafuse_context_parallel" in vars(m) for m in model.modules())
+    stock = model(input_ids=ids).logits
+    assert rel_max(out.logits, stock) <= RTOL

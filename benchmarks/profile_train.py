@@ -76,7 +76,11 @@ def _profiler():
 def _tables(prof, steps: int) -> dict:
     """The profile's top tables, and the device time per step (the sum of every kernel's own time)."""
     cuda = torch.cuda.is_available()
-    events = prof.key_averages()
+    from torch.autograd import DeviceType
+
+    # kernels only: an op row's self device time repeats its kernels' (the table's "Self CUDA time total" also
+    # counts device events only)
+    events = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU]
     own = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
     return {"by_cuda_time": _top(prof, "cuda_time_total") if cuda else None,
             "by_self_cuda_time": _top(prof, "self_cuda_time_total", 40) if cuda else None,

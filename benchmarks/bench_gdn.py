@@ -198,7 +198,8 @@ def timing(fn, shape, rep_ms, seed=0, cu=None):
 
 
 def breakdown(shape, iters=10):
-    """Per-stage device time of our forward+backward (CUDA events between kernel launches)."""
+    """Per-stage device time of our forward+backward (CUDA events between kernel launches), with the options in
+    effect."""
     B, T, H, HV, D = shape
     xs = [x.requires_grad_() for x in make(B, T, H, HV, D, seed=0)]
     do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
@@ -214,7 +215,7 @@ def breakdown(shape, iters=10):
     for it in range(iters + 2):
         marks.clear()
         prefix[0] = "f:"
-        with chunk_mod.configured(stage_hook=hook):
+        with chunk_mod.configured(chunk_mod.options_in_effect(), stage_hook=hook):
             hook("start")
             o = ours(*xs)
             prefix[0] = "b:"

@@ -27,8 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import triton  # noqa: E402
-from bench_gdn import SHAPES, make, rel, stack  # noqa: E402
+from bench_gdn import SHAPES, breakdown, make, ours, rel, stack, timing  # noqa: E402
 
 from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
@@ -66,10 +65,6 @@ def parse_variant(spec: str) -> chunk_mod.ChunkOptions:
     return dataclasses.replace(base, **over)
 
 
-def ours(q, k, v, g, beta):
-    return chunk_mod.chunk_gated_delta_rule_triton(q, k, v, g, beta, q.shape[-1] ** -0.5, None, False, True)[0]
-
-
 class Oracle:
     """float64 outputs and gradients at one shape, for one fixed random draw (computed once)."""
 
@@ -91,64 +86,6 @@ class Oracle:
         for n, x, y in zip(("q", "k", "v", "g", "beta"), a, self.grads):
             errs["d" + n] = rel(x.grad, y)
         return errs, all(errs[n] <= t for n, t in TOL.items())
-
-
-def stages(shape, iters):
-    B, T, H, HV, D = shape
-    xs = [x.requires_grad_() for x in make(B, T, H, HV, D, seed=0)]
-    do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
-    marks, prefix, per = [], ["f:"], {}
-
-    def hook(name):
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        marks.append((prefix[0] + name, e))
-
-    opts = chunk_mod._in_effect[0]
-    for it in range(iters + 2):
-        marks.clear()
-        prefix[0] = "f:"
-        with chunk_mod.configured(opts, stage_hook=hook):
-            hook("start")
-            o = ours(*xs)
-            prefix[0] = "b:"
-            hook("start")
-            torch.autograd.backward(o, do)
-        torch.cuda.synchronize()
-        for x in xs:
-            x.grad = None
-        if it >= 2:
-            for (_, e0), (n1, e1) in zip(marks[:-1], marks[1:]):
-                if not n1.endswith("start"):
-                    per.setdefault(n1, []).append(e0.elapsed_time(e1))
-    return {n: sorted(v)[len(v) // 2] for n, v in per.items()}
-
-
-def totals(shape, rep_ms):
-    B, T, H, HV, D = shape
-    xs = [x.requires_grad_() for x in make(B, T, H, HV, D, seed=0)]
-    do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
-
-    def fwd():
-        return ours(*xs)
-
-    def fwdbwd():
-        torch.autograd.backward(ours(*xs), do)
-
-    fwdbwd()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    for x in xs:
-        x.grad = None
-    fwdbwd()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    t_f = triton.testing.do_bench(fwd, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
-    t_fb = triton.testing.do_bench(fwdbwd, warmup=max(rep_ms // 4, 5), rep=rep_ms, grad_to_none=xs,
-                                   return_mode="median")
-    return t_f, t_fb, peak
 
 
 def main():
@@ -179,9 +116,9 @@ def main():
             try:
                 row["errors"], row["correct"] = oracle.errors()
                 for shape in shapes:
-                    t_f, t_fb, peak = totals(shape, args.rep_ms)
-                    row["shapes"][str(shape)] = dict(fwd_ms=t_f, fwdbwd_ms=t_fb, peak_gib=peak,
-                                                     stages=stages(shape, args.iters))
+                    t_f, t_fb, peak = timing(ours, shape, args.rep_ms)
+                    row["shapes"][str(shape)] = dict(fwd_ms=t_f, fwdbwd_ms=t_fb, peak_gib=peak / 2**30,
+                                                     stages=breakdown(shape, args.iters))
                     torch.cuda.empty_cache()
             except Exception as e:  # noqa: BLE001 - a variant that fails to compile or run is reported
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"

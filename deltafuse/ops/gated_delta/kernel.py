@@ -243,6 +243,11 @@ DEFAULT_OPTIONS = ChunkOptions()
 _in_effect: list = [DEFAULT_OPTIONS, None]
 
 
+def options_in_effect() -> ChunkOptions:
+    """The options the chunked kernels run with now (the defaults outside a ``configured`` block)."""
+    return _in_effect[0]
+
+
 @contextlib.contextmanager
 def configured(options: ChunkOptions | None = None, stage_hook: Callable[[str], None] | None = None):
     """Run the chunked kernels with ``options`` inside the block, calling ``stage_hook(stage_name)`` after each

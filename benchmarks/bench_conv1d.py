@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     import triton
 
     from deltafuse.ops.conv1d import kernel as K
+    from deltafuse.ops.conv1d import kernel_update as KU
     from deltafuse.ops.conv1d.reference import causal_conv1d_fn_torch, causal_conv1d_update_torch
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -206,7 +207,7 @@ def main(argv=None) -> int:
         ref = causal_conv1d_update_torch(x, s_ref, w, bias, "silu")
         s64 = state0.double()
         ref64 = causal_conv1d_update_torch(x.double(), s64, w.double(), bias.double(), "silu")
-        impls = {"deltafuse triton": K.causal_conv1d_update_triton, "torch route": causal_conv1d_update_torch}
+        impls = {"deltafuse triton": KU.causal_conv1d_update_triton, "torch route": causal_conv1d_update_torch}
         if pkg_update is not None:
             impls["causal-conv1d"] = lambda x_, s_, w_, b_, a_: pkg_update(x_, s_, w_, b_, a_)
         for name, fn in impls.items():

@@ -13,8 +13,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from deltafuse.ops.conv1d import kernel as conv_kernel  # noqa: E402
-from deltafuse.ops.conv1d.kernel import (ConvOptions, causal_conv1d_fn_triton,  # noqa: E402
-                                         causal_conv1d_update_triton, configured)
+from deltafuse.ops.conv1d.kernel import ConvOptions, causal_conv1d_fn_triton, configured  # noqa: E402
+from deltafuse.ops.conv1d.kernel_update import causal_conv1d_update_triton  # noqa: E402
 from deltafuse.ops.conv1d.naive import naive_causal_conv1d  # noqa: E402
 from deltafuse.ops.conv1d.reference import causal_conv1d_fn_torch, causal_conv1d_update_torch  # noqa: E402
 from tests.helpers import DEVICE, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402

@@ -15,6 +15,7 @@ from deltafuse.backends.registry import REGISTRY, CallInfo, Candidate, Registry
 CONV = "causal_conv1d_fn"
 CONV_UPDATE = "causal_conv1d_update"
 KERNEL = "deltafuse.ops.conv1d.kernel"
+KERNEL_UPDATE = "deltafuse.ops.conv1d.kernel_update"
 REFERENCE = "deltafuse.ops.conv1d.reference"
 
 # The widest kernel deltafuse's Triton conv takes: the last W-1 inputs live in registers (Qwen3.5 and
@@ -56,7 +57,7 @@ def register(registry: Registry) -> None:
                                       supports=torch_supports,
                                       note="deltafuse's boundary-aware torch conv (any device)"))
     registry.register(CONV_UPDATE, Candidate(
-        "triton", load_attr(KERNEL, "causal_conv1d_update_triton"), triton_available(KERNEL),
+        "triton", load_attr(KERNEL_UPDATE, "causal_conv1d_update_triton"), triton_available(KERNEL_UPDATE),
         _triton_update_supports, auto_skip=triton_auto_skip,
         note="deltafuse's one-launch Triton decoding step (state updated in place; inference)"))
     registry.register(CONV_UPDATE, Candidate("torch", load_attr(REFERENCE, "causal_conv1d_update_torch"),

@@ -114,7 +114,8 @@ _GDN_KINDS = dict(q="T", k="T", v="T", g="T", beta="T", scale="F?", initial_stat
 
 OP_TABLE = {
     "chunk_gated_delta_rule": (_gdn_args, _GDN_KINDS),
-    "fused_recurrent_gated_delta_rule": (_gdn_args, _GDN_KINDS),
+    "fused_recurrent_gated_delta_rule": (lambda: dict(_gdn_args(), inplace_final_state=False),
+                                         dict(_GDN_KINDS, inplace_final_state="B")),
     "causal_conv1d_fn": (
         lambda: dict(x=torch.randn(1, 6, 10), weight=torch.randn(6, 4), bias=torch.randn(6), seq_idx=None,
                      initial_states=torch.randn(1, 6, 3), return_final_states=True,

@@ -242,7 +242,7 @@ class Registry:
             if first is not None:
                 break
         fn = self._facts.get(op)
-        shapes = () if fn is None else tuple(None if t is None else t.shape for t in tensors)
+        shapes = () if fn is None else tuple([None if t is None else t.shape for t in tensors])
         facts = fn(shapes) if shapes else ()
         device, dtype = first.device, first.dtype
         hit = self._selected.get((op, backend, device.type, device.index, dtype, needs_grad, facts))

@@ -21,7 +21,8 @@ from deltafuse.backends.registry import (
 )
 
 __all__ = ["REGISTRY", "BackendError", "CallInfo", "Candidate", "Decision", "Registry", "UnknownBackendError",
-           "backend_override", "call_backend", "call_info", "current_backend", "select", "set_backend_override"]
+           "backend_override", "call_backend", "call_info", "current_backend", "select", "select_tensors",
+           "set_backend_override"]
 
 _override: list[str | None] = [None]
 _call_backends: dict = {}  # (op, backend argument, registry version) -> the checked name
@@ -75,3 +76,16 @@ def select(op: str, call: CallInfo, backend: str | None = None):
     """The implementation of ``op`` for ``call``. ``backend`` None: the global switch in effect (ops without
     that backend keep their automatic choice); else a per-call name ``op`` must have (see ``call_backend``)."""
     return REGISTRY.select(op, call, current_backend() if backend is None else call_backend(op, backend))
+
+
+def select_tensors(op: str, backend: str | None, needs_grad: bool, tensors: tuple):
+    """``select`` for a call of ``op`` on ``tensors`` (its tensor arguments, in the order its shape facts
+    read them; the first one present gives device and dtype), ``needs_grad`` as the op's grad mask says. The
+    ops' per-call path: with the decision cached it builds no CallInfo."""
+    if backend is None:
+        name = _override[0]
+        if name is None:
+            name = config.env_backend()
+    else:
+        name = call_backend(op, backend)
+    return REGISTRY.select_tensors(op, name, needs_grad, tensors)

@@ -234,6 +234,22 @@ class Registry:
                                      cand.verified))
         return rows
 
+    def select_tensors(self, op: str, backend: str, needs_grad: bool, tensors: tuple) -> Callable:
+        """``select`` for a call on ``tensors`` (the op's tensor arguments in its ``call_info`` order; the
+        first one present gives device and dtype), without building a CallInfo when the decision is cached:
+        the per-call cost of the ops."""
+        for first in tensors:
+            if first is not None:
+                break
+        fn = self._facts.get(op)
+        shapes = () if fn is None else tuple([None if t is None else t.shape for t in tensors])
+        facts = fn(shapes) if shapes else ()
+        device, dtype = first.device, first.dtype
+        hit = self._selected.get((op, backend, device.type, device.index, dtype, needs_grad, facts))
+        if hit is not None:
+            return hit
+        return self.select(op, CallInfo(device, dtype, needs_grad, facts, shapes), backend)
+
     def select(self, op: str, call: CallInfo, backend: str = "auto") -> Callable:
         """The implementation that serves ``call``; raises BackendError when none can."""
         fn = self._facts.get(op)

@@ -99,6 +99,24 @@ def _allowed_text(kinds, optional) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
+# the exact types each kind accepts outright (every value of these types passes ``_kind_ok``)
+_EXACT = {torch.Tensor: frozenset({torch.Tensor, torch.nn.Parameter}), bool: frozenset({bool}),
+          int: frozenset({int, float}), float: frozenset({int, float}), str: frozenset({str})}
+
+
+def _check_kind(name: str, rule, value) -> None:
+    """The full kind check of one argument of op ``name`` (``rule`` as ``public_op`` builds them)."""
+    arg, _position, kinds, optional, allowed = rule
+    if value is None:
+        if optional:
+            return
+    elif any(_kind_ok(k, value) for k in kinds):
+        return
+    got = (f"{type(value).__name__} ({short_repr(value)})" if torch.Tensor in kinds else
+           f"{short_repr(value)} ({type(value).__name__})")
+    raise ArgumentTypeError(f"{name}: {arg} must be {allowed}, got {got}")
+
+
 def public_op(name: str):
     """Decorator of a public op named ``name``: argument kinds checked from its annotations, and its name
     in every ArgumentError it raises."""
@@ -114,24 +132,25 @@ def public_op(name: str):
                 position = index if param.kind != param.KEYWORD_ONLY else None
                 rules.append((param.name, position, rule[0], rule[1], _allowed_text(*rule)))
         rules = tuple(rules)
+        # per call, the common case costs one set lookup per argument: a value whose exact type is one the
+        # rule accepts outright (see _EXACT) passes; anything else (None, subclasses, SymInts, wrong kinds)
+        # takes the full check
+        fast = tuple((arg, position, frozenset().union(*(_EXACT[k] for k in kinds)) | ({type(None)} if optional
+                      else set())) for arg, position, kinds, optional, _ in rules)
+        slow = {arg: rule for arg, rule in zip((r[0] for r in rules), rules)}
 
         @functools.wraps(fn)
         def op(*args, **kwargs):
-            for arg, position, kinds, optional, allowed in rules:
-                if position is not None and position < len(args):
-                    value = args[position]
-                elif arg in kwargs:
-                    value = kwargs[arg]
-                else:
-                    continue
-                if value is None:
-                    if optional:
+            n = len(args)
+            for arg, position, exact in fast:
+                if position is not None and position < n:
+                    if type(args[position]) in exact:
                         continue
-                elif any(_kind_ok(k, value) for k in kinds):
-                    continue
-                got = (f"{type(value).__name__} ({short_repr(value)})" if torch.Tensor in kinds else
-                       f"{short_repr(value)} ({type(value).__name__})")
-                raise ArgumentTypeError(f"{name}: {arg} must be {allowed}, got {got}")
+                    _check_kind(name, slow[arg], args[position])
+                elif kwargs and arg in kwargs:
+                    if type(kwargs[arg]) in exact:
+                        continue
+                    _check_kind(name, slow[arg], kwargs[arg])
             try:
                 return fn(*args, **kwargs)
             except ArgumentError as exc:

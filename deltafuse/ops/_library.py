@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from deltafuse import backends
 from deltafuse.ops import _amp
 
 NAMESPACE = "deltafuse"
@@ -90,11 +91,19 @@ def run_forward(tensors: Sequence[torch.Tensor | None], grad_mask: Sequence[bool
     """The body of a forward op: ``run(*inputs)`` on the op's tensor arguments (detached; those marked in
     ``grad_mask`` recorded by autograd), autocast off. Returns the outputs (None as a 0-element placeholder
     on the first input's device) and the handle of the backward record."""
-    ref = next(t for t in tensors if t is not None)
     if _EAGER.on:  # an eager call (see ``define``): the backend on the caller's tensors, autograd as usual
-        with _amp.disabled(device_type):
+        if _amp.autocast_dtype(device_type) is None:
             outs = run(*tensors)
-        return [ref.new_empty(0) if o is None else o for o in outs] + [_NO_HANDLE]
+        else:
+            with torch.autocast(device_type, enabled=False):
+                outs = run(*tensors)
+        result = list(outs)
+        for i, o in enumerate(result):
+            if o is None:
+                result[i] = next(t for t in tensors if t is not None).new_empty(0)
+        result.append(_NO_HANDLE)
+        return result
+    ref = next(t for t in tensors if t is not None)
     needs = any(grad_mask)
     inputs = [None if t is None else (t.detach().requires_grad_() if m else t) for t, m in zip(tensors, grad_mask)]
     with _autograd_recording(), torch.set_grad_enabled(needs), _amp.disabled(device_type):
@@ -268,6 +277,13 @@ def grad_mask(*tensors: torch.Tensor | None) -> list[bool]:
     """Which of the tensors autograd must differentiate this call (grad mode on and requires_grad)."""
     grad = torch.is_grad_enabled()
     return [bool(grad and t is not None and t.requires_grad) for t in tensors]
+
+
+def select(op: str, backend: str | None, mask: Sequence[bool], *tensors: torch.Tensor | None):
+    """The implementation that serves a call of ``op`` inside the op (``backend`` as the op got it; ``mask``
+    its grad mask; ``tensors`` as ``call_info`` takes them): the registry's cached decision, one dictionary
+    lookup once decided (no CallInfo built)."""
+    return backends.select_tensors(op, backend, True in mask, tensors)
 
 
 def call_info(mask: Sequence[bool], *tensors: torch.Tensor | None):

@@ -179,7 +179,7 @@ def _fused_ce_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if validate:
         _library.named_errors(FUSED_LINEAR_CROSS_ENTROPY, _check_targets, targets, ignore_index, weight.shape[0],
                               "labels")
-    impl = backends.select(FUSED_LINEAR_CROSS_ENTROPY, _library.call_info(grad_mask, hidden, weight, bias), backend)
+    impl = _library.select(FUSED_LINEAR_CROSS_ENTROPY, backend, grad_mask, hidden, weight, bias)
     items = num_items if num_items is not None else num_items_number
 
     def run(h, w, b):
@@ -273,7 +273,7 @@ def _token_logprobs_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
                        grad_mask: list[bool], validate: bool) -> list[torch.Tensor]:
     if validate:
         _library.named_errors(TOKEN_LOGPROBS, _check_targets, targets, ignore_index, weight.shape[0], "targets")
-    impl = backends.select(TOKEN_LOGPROBS, _library.call_info(grad_mask, hidden, weight, bias), backend)
+    impl = _library.select(TOKEN_LOGPROBS, backend, grad_mask, hidden, weight, bias)
     return _library.run_forward(
         [hidden, weight, bias], grad_mask,
         lambda h, w, b: impl(h, w, b, targets, ignore_index, temperature, want_entropy, want_top1, chunk_size,

@@ -142,7 +142,7 @@ def _gdn_run(op, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fina
              validate, inplace=False):
     if validate and cu_seqlens is not None:
         _library.named_errors(op, check.cu_seqlens, cu_seqlens, q.shape[0], q.shape[1])
-    impl = backends.select(op, _library.call_info(grad_mask, q, k, v, g, beta, initial_state), backend)
+    impl = _library.select(op, backend, grad_mask, q, k, v, g, beta, initial_state)
     # an implementation that can write the final state over the initial one does (the caller copies otherwise)
     extra = {"inplace_final_state": True} if inplace and getattr(impl, "inplace_final_state", False) else {}
 

@@ -79,7 +79,6 @@ def _moe_op(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
             validate: bool) -> list[torch.Tensor]:
     if validate:
         _library.named_errors(MOE_EXPERTS, _check_ids, top_k_index, gate_up_proj.shape[0])
-    impl = backends.select(MOE_EXPERTS, _library.call_info(grad_mask, hidden, top_k_weights, gate_up_proj,
-                                                           down_proj), backend)
+    impl = _library.select(MOE_EXPERTS, backend, grad_mask, hidden, top_k_weights, gate_up_proj, down_proj)
     return _library.run_forward([hidden, top_k_weights, gate_up_proj, down_proj], grad_mask,
                                 lambda h, w, gu, d: (impl(h, top_k_index, w, gu, d),), hidden.device.type)

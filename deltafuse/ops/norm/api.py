@@ -74,13 +74,13 @@ def _like_x(x, *args):
 @_library.define(RMS_NORM, ("x", "weight"), _like_x)
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str | None,
                  grad_mask: list[bool]) -> list[torch.Tensor]:
-    impl = backends.select(RMS_NORM, _library.call_info(grad_mask, x, weight), backend)
+    impl = _library.select(RMS_NORM, backend, grad_mask, x, weight)
     return _library.run_forward([x, weight], grad_mask, lambda x_, w: (impl(x_, w, eps),), x.device.type)
 
 
 @_library.define(RMS_NORM_GATED, ("x", "gate", "weight"), _like_x)
 def _rms_norm_gated_op(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                        backend: str | None, grad_mask: list[bool]) -> list[torch.Tensor]:
-    impl = backends.select(RMS_NORM_GATED, _library.call_info(grad_mask, x, gate, weight), backend)
+    impl = _library.select(RMS_NORM_GATED, backend, grad_mask, x, gate, weight)
     return _library.run_forward([x, gate, weight], grad_mask, lambda x_, g, w: (impl(x_, g, w, eps),),
                                 x.device.type)

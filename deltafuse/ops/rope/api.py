@@ -67,7 +67,7 @@ def _rope_fake(q, k, cos, sin, unsqueeze_dim, backend, grad_mask):
 @_library.define(ROPE, ("q", "k", "cos", "sin"), _rope_fake)
 def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
              backend: str | None, grad_mask: list[bool]) -> list[torch.Tensor]:
-    impl = backends.select(ROPE, _library.call_info(grad_mask, q, k, cos, sin), backend)
+    impl = _library.select(ROPE, backend, grad_mask, q, k, cos, sin)
 
     def run(q_, k_, cos_, sin_):
         q_out, k_out = impl(q_, k_, cos_, sin_, unsqueeze_dim)

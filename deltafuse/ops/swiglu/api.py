@@ -38,5 +38,5 @@ def _swiglu_fake(gate, up, backend, grad_mask):
 
 @_library.define(SWIGLU, ("gate", "up"), _swiglu_fake)
 def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, backend: str | None, grad_mask: list[bool]) -> list[torch.Tensor]:
-    impl = backends.select(SWIGLU, _library.call_info(grad_mask, gate, up), backend)
+    impl = _library.select(SWIGLU, backend, grad_mask, gate, up)
     return _library.run_forward([gate, up], grad_mask, lambda g, u: (impl(g, u),), gate.device.type)

@@ -124,26 +124,7 @@ def env_backend() -> str:
     """DELTAFUSE_BACKEND read from ``os.environ`` now: 'auto' when unset (cheap per call: parsed once per
     distinct value and set of registered names); raises ``SettingsError`` for a name nothing registered."""
     registry = _registry[0]
-    return _env_backend(_environ_get("DELTAFUSE_BACKEND"), -1 if registry is None else registry.version)
-
-
-_ENCODED: dict = {}
-
-
-def _environ_get(name: str) -> str | None:
-    """``os.environ.get(name)`` for the per-call readers, without its per-call key encoding and KeyError
-    (~1 µs): CPython's ``os.environ`` keeps the encoded environment in a dict, read directly here; any other
-    mapping in its place is asked with ``.get``."""
-    env = os.environ
-    data = getattr(env, "_data", None)
-    encode = getattr(env, "encodekey", None)
-    if type(data) is not dict or encode is None:
-        return env.get(name)
-    key = _ENCODED.get(name)
-    if key is None:
-        key = _ENCODED[name] = encode(name)
-    raw = data.get(key)
-    return None if raw is None else env.decodevalue(raw)
+    return _env_backend(os.environ.get("DELTAFUSE_BACKEND"), -1 if registry is None else registry.version)
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,7 +157,7 @@ def _env_switch(name: str, raw: str | None) -> bool:
 def env_switch(name: str) -> bool:
     """One switch read from ``os.environ`` now (cheap per call: parsed once per distinct value); raises
     ``SettingsError`` for a value that is not a switch word. Aliases are not consulted here."""
-    return _env_switch(name, _environ_get(name))
+    return _env_switch(name, os.environ.get(name))
 
 
 def _switch(env: Mapping[str, str], sw: Switch) -> bool:

@@ -213,7 +213,6 @@ def test_environ_read_matches_os_environ(monkeypatch, value):
         monkeypatch.delenv("DELTAFUSE_BACKEND", raising=False)
     else:
         monkeypatch.setenv("DELTAFUSE_BACKEND", value)
-    assert config._environ_get("DELTAFUSE_BACKEND") == os.environ.get("DELTAFUSE_BACKEND")
     assert config.env_backend() == ("auto" if value is None else config.parse_backend("DELTAFUSE_BACKEND", value))
 
 

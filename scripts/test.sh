@@ -2,7 +2,8 @@
 # Set up and run the whole CPU test suite: everything on the newest transformers, then the model, training
 # and bench tests again on transformers 5.9.0 (the older modeling design), then packed batches on 5.2.0 (the
 # oldest supported: decoder layers that do not pass their keywords to the GDN layer) and 5.14.1 (the last
-# release of the older design). Triton kernels run under TRITON_INTERPRET=1.
+# release of the older design). Triton kernels run under TRITON_INTERPRET=1. The older-transformers runs go
+# alongside the newest one (their output is printed after it); the script fails if any run fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh .venv
@@ -10,16 +11,32 @@ bash scripts/setup.sh .venv-tf59 "transformers==5.9.0" .venv
 bash scripts/setup.sh .venv-tf52 "transformers==5.2.0" .venv
 bash scripts/setup.sh .venv-tf514 "transformers==5.14.1" .venv
 
-echo "== tests, newest transformers =="
-.venv/bin/python -m pytest -q -p no:cacheprovider tests
-echo "== model, training and bench tests, transformers 5.9.0 (the multi-process peer runs only above) =="
-.venv-tf59/bin/python -m pytest -q -p no:cacheprovider -m "not slow" \
-  tests/integrations tests/test_verify.py tests/test_auto.py tests/train tests/bench
-for venv in .venv-tf52 .venv-tf514; do
-  echo "== packed batches, transformers $("$venv/bin/python" -c 'import transformers; print(transformers.__version__)') =="
-  for model in tiny tiny-moe tiny-next; do
-    "$venv/bin/python" -m deltafuse verify --model "$model" --packed
+older_transformers() {
+  echo "== model, training and bench tests, transformers 5.9.0 (the multi-process peer runs only in the newest) =="
+  .venv-tf59/bin/python -m pytest -q -p no:cacheprovider --basetemp "$work/tf59" -m "not slow" \
+    tests/integrations tests/test_verify.py tests/test_auto.py tests/train tests/bench
+  for venv in .venv-tf52 .venv-tf514; do
+    echo "== packed batches, transformers $("$venv/bin/python" -c 'import transformers; print(transformers.__version__)') =="
+    for model in tiny tiny-moe tiny-next; do
+      "$venv/bin/python" -m deltafuse verify --model "$model" --packed
+    done
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$work/$venv" \
+      tests/integrations/test_packed.py tests/integrations/test_packing_route.py
   done
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/integrations/test_packed.py tests/integrations/test_packing_route.py
-done
+}
+
+# each run its own pytest temporary directory (concurrent sessions must not clean up each other's)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+older_log="$work/older.log"
+( set -e; older_transformers ) > "$older_log" 2>&1 &
+older_pid=$!
+
+echo "== tests, newest transformers =="
+newest_rc=0
+.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$work/newest" tests || newest_rc=$?
+older_rc=0
+wait "$older_pid" || older_rc=$?
+cat "$older_log"
+echo "== newest transformers: exit $newest_rc; older transformers: exit $older_rc =="
+[ "$newest_rc" -eq 0 ] && [ "$older_rc" -eq 0 ]

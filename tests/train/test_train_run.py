@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -124,8 +125,12 @@ def test_accelerate_launch_with_two_cpu_processes(tmp_path):
     pytest.importorskip("accelerate")
     out = str(tmp_path / "acc")
     env = dict(os.environ, PYTHONPATH=ROOT)
+    with socket.socket() as sock:  # a free port: another run of the suite may be launching at the same time
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no",
+                           "--dynamo_backend", "no",
                            "-m", "deltafuse.train", "--max-steps", "2", "--seq-len", "256", "--num-examples", "20",
                            "--output-dir", out, "--no-progress"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)

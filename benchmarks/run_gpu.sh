@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything the project measures on a CUDA machine, in parts that each fit one 10-minute call.
 #
-#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, blocks, loss, e2e, long or all;
-#                                                          default all)
+#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, kernels, blocks, loss, e2e, long or
+#                                                          all; default all)
 #
 #   tests   every GPU test (pytest -m gpu) and `deltafuse verify` on cuda for the tiny models, fp32 and bf16
 #   gdn     the gated delta rule benchmark vs FLA 0.6 and the HF fallback (benchmarks/run_gdn_gpu.sh)
+#   kernels the GDN options sweep (tune_gdn.py), causal conv1d (bench_conv1d.py) and decoding vs FLA and
+#           stock generate (bench_decode.py)
 #   blocks  block ops, loss and experts benchmarks (bench_block_ops.py, then the loss part)
 #   loss    loss and experts benchmark only (bench_loss_moe.py)
 #   e2e     `deltafuse bench e2e` for moe8 and dense8 LoRA at 4096 packed tokens, stock vs deltafuse
@@ -23,8 +25,9 @@ OUT=${OUT:-./deltafuse-out}
 PARTS=" ${*:-all} "
 for part in $PARTS; do
   case $part in
-    tests|gdn|blocks|loss|e2e|long|all) ;;
-    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, blocks, loss, e2e, long, all" >&2; exit 2 ;;
+    tests|gdn|kernels|blocks|loss|e2e|long|all) ;;
+    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, kernels, blocks, loss, e2e, long, all" >&2
+       exit 2 ;;
   esac
 done
 # want PART: is PART (or all) among the parts asked for
@@ -48,6 +51,18 @@ if want tests; then
 fi
 if want gdn; then
   step "$OUT/gdn_all.log" env OUT="$OUT" bash benchmarks/run_gdn_gpu.sh
+fi
+if want kernels; then
+  # FLA from carried wheels for the decoding comparison only (stock generate then runs FLA's recurrent op)
+  kpath=$PYTHONPATH
+  fla=$(ls .whl/fla_core-*.whl .whl/einops-*.whl 2>/dev/null)
+  if [[ -n $fla ]] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site $fla; then
+    kpath=/tmp/site:$PYTHONPATH
+  fi
+  step "$OUT/tune_gdn.log" python3 benchmarks/tune_gdn.py --out "$OUT/tune_gdn.json"
+  step "$OUT/conv1d.log" python3 benchmarks/bench_conv1d.py --out "$OUT/conv1d.json"
+  step "$OUT/decode.log" env PYTHONPATH="$kpath" python3 benchmarks/bench_decode.py --out "$OUT/decode.json"
 fi
 if want blocks || want loss; then
   # Liger (pure Python + Triton) and TRL (with datasets, dill, multiprocess, which the image lacks) from carried

@@ -183,14 +183,20 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _layer_pass(fn, x, states, with_copy):
+    """One token through len(states) layers: one call per state; ``with_copy``: each layer's
+    state.copy_(new_state), as transformers' cache does."""
+    for s in states:
+        _, ht = fn(x, s)
+        if with_copy:
+            s.copy_(ht)
+
+
 def time_eager(fn, x, states, with_copy, reps, device, warmup=3):
     """Median time of one pass of len(states) calls (one token through that many layers), one call after
     another. ``with_copy``: each layer's state.copy_(new_state) as transformers' cache does."""
     def once():
-        for s in states:
-            _, ht = fn(x, s)
-            if with_copy:
-                s.copy_(ht)
+        _layer_pass(fn, x, states, with_copy)
 
     with torch.no_grad():
         for _ in range(warmup):
@@ -214,10 +220,7 @@ def time_eager(fn, x, states, with_copy, reps, device, warmup=3):
 def time_graph(fn, x, states, with_copy, reps):
     """Median replay time of a CUDA graph of len(states) calls."""
     def once():
-        for s in states:
-            _, ht = fn(x, s)
-            if with_copy:
-                s.copy_(ht)
+        _layer_pass(fn, x, states, with_copy)
 
     with torch.no_grad():
         side = torch.cuda.Stream()

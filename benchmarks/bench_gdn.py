@@ -233,6 +233,54 @@ def breakdown(shape, iters=10):
     return {n: sorted(v)[len(v) // 2] for n, v in per.items()}
 
 
+def kernel_times(fn, shape, iters=5):
+    """Device time of every kernel in one forward+backward (torch.profiler, the median over ``iters`` is not
+    available per kernel, so the mean): {kernel name: ms per forward+backward}, largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    B, T, H, HV, D = shape
+    xs = [x.requires_grad_() for x in make(B, T, H, HV, D, seed=0)]
+    do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        torch.autograd.backward(fn(*xs), do)
+        for x in xs:
+            x.grad = None
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    got = {}
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CPU:
+            continue
+        t = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+        got[e.key] = got.get(e.key, 0.0) + t / 1000 / iters
+    return dict(sorted(got.items(), key=lambda kv: -kv[1]))
+
+
+def kernel_table(shape, per_impl: dict) -> str:
+    """Markdown: each implementation's kernels side by side (name, ms), largest first, with the total."""
+    cols = list(per_impl)
+    rows = max((len(v) for v in per_impl.values()), default=0)
+    lines = [f"kernels per forward+backward at {tuple(shape)} (ms, torch.profiler)", "",
+             "| " + " | ".join(f"{c} kernel | ms" for c in cols) + " |",
+             "| " + " | ".join("--- | ---" for _ in cols) + " |",
+             "| " + " | ".join(f"**total** | **{sum(per_impl[c].values()):.3f}**" for c in cols) + " |"]
+    for i in range(rows):
+        cells = []
+        for c in cols:
+            items = list(per_impl[c].items())
+            cells.append(f"{items[i][0][:60]} | {items[i][1]:.3f}" if i < len(items) else " | ")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def stack():
     import importlib.metadata as md
 
@@ -285,6 +333,8 @@ def main():
     ap.add_argument("--variants", default="", help="semicolon-separated ChunkOptions overrides for extra rows "
                     "of ours, e.g. 'fwd_prod_wh=16,fwd_prod_kv=16;prod_wy=x2'")
     ap.add_argument("--breakdown", default="", help="shape indices for a per-stage timing of ours, e.g. 0,1")
+    ap.add_argument("--kernels", default="", help="shape indices for a per-kernel device-time table of ours and "
+                    "FLA side by side (torch.profiler), e.g. 1,3")
     ap.add_argument("--skip", default="", help="comma list of impls to skip: hf,fla,ours,ref")
     ap.add_argument("--packed", default="one,all1,u1-16,mix",
                     help=f"packed-row layouts to time (comma list of {', '.join(PACKED)}; empty for none)")
@@ -341,6 +391,18 @@ def main():
         results["breakdown"][str(shape)] = bd
         print(f"breakdown {shape}: total {sum(bd.values()):.3f} ms: " +
               ", ".join(f"{n} {t:.3f}" for n, t in bd.items()), flush=True)
+    results["kernels"] = {}
+    for i in filter(None, args.kernels.split(",")):
+        shape = SHAPES[int(i)]
+        per = {}
+        for entry in impls:
+            name, fn = entry[:2]
+            if fn is None or name == "hf":
+                continue
+            with chunk_mod.configured(entry[3] if len(entry) > 3 else base_opts):
+                per[name] = kernel_times(fn, shape)
+        results["kernels"][str(shape)] = per
+        print(kernel_table(shape, per), flush=True)
     for entry in impls:
         name, fn, label = entry[:3]
         opts = entry[3] if len(entry) > 3 else base_opts

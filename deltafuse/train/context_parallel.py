@@ -7,7 +7,8 @@ together hold data-parallel replica d. Three pieces make the Trainer run that ex
   row. accelerate gives the k-th batch of the sampler to process k % W (``BatchSamplerShard``), so the N ranks of a
   group receive the same batches and replica d the batches rank d of a D-process data-parallel run would get.
   The order is the one accelerate's ``SeedableRandomSampler`` gives a run without context parallelism (a
-  permutation seeded with data_seed + epoch), so with D = 1 the rows are those of a one-process run.
+  permutation seeded with data_seed + epoch), so with D = 1 the rows are those of a one-process run, except that
+  an epoch's last batch is completed from its first rows (a one-process run takes a smaller last batch).
 * ``ShardCollator``: the batch's whole rows (packed: restarting ``position_ids``; ``--no-packing``: right padding
   turned into a pad sequence of its own), filled to a multiple of N tokens by a pad sequence (labels ignored,
   positions from 0, so it never joins a real sequence), then cut: rank r keeps tokens [r*T/N, (r+1)*T/N) of every
@@ -38,7 +39,7 @@ DIGEST, WIDTH, START, LENGTH, TARGETS = range(5)
 
 
 # --- arguments ---------------------------------------------------------------------------------------------
-def check_arguments(args, *, world: int, enabled: bool, overrides: dict) -> None:
+def check_arguments(args, *, world: int, device: str, enabled: bool, overrides: dict) -> None:
     """Refuse what --context-parallel cannot serve, before anything is built (one line each)."""
     n = args.context_parallel
     if n == 1:
@@ -49,6 +50,11 @@ def check_arguments(args, *, world: int, enabled: bool, overrides: dict) -> None
             f"{flag}: the launch has {world} process(es) (WORLD_SIZE), not a multiple of {n}; allowed: a divisor of "
             f"the process count, e.g. torchrun --nproc_per_node {n} -m deltafuse.train ... (or accelerate launch "
             f"--num_processes {n}), or --context-parallel 1")
+    if world > n and not device.startswith("cuda"):
+        # torch.distributed.nn.functional.all_gather's gloo backward scatters from a group rank given as a global
+        # rank, which fails in every group but the one holding rank 0
+        raise TrainInputError(f"{flag} with {world} processes on {device}: {world // n} context-parallel groups need "
+                              f"GPUs (on CPU, gloo serves one group only); allowed here: {n} processes")
     if not enabled:
         raise TrainInputError(f"{flag} with --no-deltafuse (or DELTAFUSE_PATCH off): stock transformers has no exact "
                               "context parallelism for packed rows; allowed: deltafuse on")
@@ -110,26 +116,34 @@ class Layout:
 
 # --- data ----------------------------------------------------------------------------------------------------
 class Sampler(torch.utils.data.Sampler):
-    """Dataset indices: a permutation seeded with ``seed + epoch`` (accelerate's ``SeedableRandomSampler``), cut into
-    batches of ``batch_size`` (the last one completed from the start of the permutation), each batch ``copies``
-    times in a row. See the module docstring for why."""
+    """Dataset indices: a permutation seeded with ``seed + epoch`` (accelerate's ``SeedableRandomSampler``), in the
+    batches each of ``replicas`` data-parallel processes would get from accelerate (``BatchSamplerShard``: an
+    epoch's last, incomplete round completed from its first rows), step by step, each batch ``copies`` times in a
+    row. See the module docstring for why."""
 
-    def __init__(self, length: int, batch_size: int, copies: int, seed: int):
+    def __init__(self, length: int, batch_size: int, copies: int, replicas: int, seed: int, drop_last: bool = False):
         if length < 1:
             raise ValueError(f"Sampler: an empty dataset (length {length})")
-        self.length, self.batch_size, self.copies, self.seed = length, batch_size, copies, seed
+        self.length, self.batch_size, self.copies, self.replicas = length, batch_size, copies, replicas
+        self.seed, self.drop_last = seed, drop_last
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def _shards(self, order):
+        from accelerate.data_loader import BatchSamplerShard
+        from torch.utils.data import BatchSampler
+
+        plain = BatchSampler(order, self.batch_size, self.drop_last)
+        return [BatchSamplerShard(plain, num_processes=self.replicas, process_index=d) for d in range(self.replicas)]
+
     def batches(self) -> list[list[int]]:
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.length, generator=generator).tolist()
-        short = -len(order) % self.batch_size
-        order += (order * (short // len(order) + 1))[:short]
-        return [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        per_replica = [list(shard) for shard in self._shards(order)]
+        return [batch for step in zip(*per_replica) for batch in step]
 
     def __iter__(self):
         for batch in self.batches():
@@ -138,7 +152,7 @@ class Sampler(torch.utils.data.Sampler):
         self.set_epoch(self.epoch + 1)
 
     def __len__(self) -> int:
-        return math.ceil(self.length / self.batch_size) * self.batch_size * self.copies
+        return len(self._shards(range(self.length))[0]) * self.replicas * self.batch_size * self.copies
 
 
 def _digest(*tensors: torch.Tensor) -> int:
@@ -224,7 +238,8 @@ def trainer_class(base, layout: Layout, *, seed: int):
 
         def _get_train_sampler(self, train_dataset=None, *args, **kwargs):
             dataset = self.train_dataset if train_dataset is None else train_dataset
-            return Sampler(len(dataset), self._train_batch_size, layout.size, seed)
+            return Sampler(len(dataset), self._train_batch_size, layout.size, layout.replicas, seed,
+                           drop_last=self.args.dataloader_drop_last)
 
         def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
             batches, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)

@@ -321,7 +321,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     _check_fsdp(args, device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cp_size = getattr(args, "context_parallel", 1)
-    cp.check_arguments(args, world=world, enabled=enabled, overrides=hfargs.trainer_overrides(args))
+    cp.check_arguments(args, world=world, device=device, enabled=enabled, overrides=hfargs.trainer_overrides(args))
     targs = _training_arguments(args, device, dtype, evaluating=eval_rows is not None)
     layout = None
     if cp_size > 1:

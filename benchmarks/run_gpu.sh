@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the project measures on a CUDA machine, in parts that each fit one 10-minute call.
 #
-#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, kernels, blocks, loss, e2e, long or
+#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, kernels, blocks, loss, e2e, long, cp or
 #                                                          all; default all)
 #
 #   tests   every GPU test (pytest -m gpu) and `deltafuse verify` on cuda for the tiny models, fp32 and bf16
@@ -14,6 +14,8 @@
 #   long    moe8 LoRA at 16,384 tokens, stock vs deltafuse: packed rows, then one sequence per row (the loss
 #           comparable); then deltafuse steps on single 65,536-token sequences with gradient checkpointing
 #           (peak memory in the logs)
+#   cp      context parallelism, 2 GPUs against 1 (benchmarks/context_parallel.py): moe8 LoRA on one sequence of
+#           32,768 and 65,536 tokens both ways, 131,072 and 262,144 (gradient checkpointing) on 2 GPUs; needs 2 GPUs
 #
 # Run from the repository root. Wheels in .whl/ (fla_core, einops) are installed for the gdn part only, so
 # that "stock" elsewhere is transformers' own torch fallback; liger_kernel and trl wheels (with datasets, dill and
@@ -25,8 +27,8 @@ OUT=${OUT:-./deltafuse-out}
 PARTS=" ${*:-all} "
 for part in $PARTS; do
   case $part in
-    tests|gdn|kernels|blocks|loss|e2e|long|all) ;;
-    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, kernels, blocks, loss, e2e, long, all" >&2
+    tests|gdn|kernels|blocks|loss|e2e|long|cp|all) ;;
+    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, kernels, blocks, loss, e2e, long, cp, all" >&2
        exit 2 ;;
   esac
 done
@@ -96,6 +98,15 @@ if want long; then
     --no-packing --seq-len 65536 --max-steps 3 --gradient-checkpointing --log-every 1 --no-progress \
     --output-dir "$OUT/train_moe8_64k_single" --overwrite
   rm -rf "$OUT/train_moe8_64k_single"/checkpoint-* "$OUT/train_moe8_64k_single"/final "$OUT/long_rows.jsonl"
+fi
+if want cp; then
+  ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  if (( ngpu >= 2 )); then
+    step "$OUT/context_parallel.log" python3 benchmarks/context_parallel.py "$OUT/context_parallel"
+  else
+    echo "== cp: needs 2 GPUs, this machine has $ngpu; skipped"
+    [[ $PARTS == *" cp "* ]] && rc=1
+  fi
 fi
 if [[ -n ${PACK_TO:-} ]]; then
   tar czf "$PACK_TO" -C "$OUT" . && echo "packed $OUT into $PACK_TO" || rc=1

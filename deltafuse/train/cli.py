@@ -87,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="weights and autocast dtype (default auto: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    g.add_argument("--context-parallel", metavar="N", type=_int_at_least(1), default=1,
+                   help="split every row along the sequence over N processes (launch N, or a multiple of N, with "
+                        "torchrun or accelerate: the data-parallel size is processes / N); exact, needs deltafuse "
+                        "(default: 1, off)")
     sw = g.add_mutually_exclusive_group()
     sw.add_argument("--deltafuse", dest="deltafuse", action="store_true", default=None,
                     help="patch the model with deltafuse (default: on unless DELTAFUSE_PATCH=0)")

@@ -28,6 +28,7 @@ from dataclasses import asdict
 
 import torch
 
+from deltafuse.train import context_parallel as cp
 from deltafuse.train import data as data_mod
 from deltafuse.train import hfargs, setup
 from deltafuse.train.errors import TrainInputError
@@ -223,15 +224,16 @@ def _stock_that_runs(model, stack: contextlib.ExitStack) -> dict:
     return {"enabled": False, "stock": "stock-torch", "stock_reason": reasons, "stock_swapped": swapped}
 
 
-def apply_deltafuse(model, enabled: bool, stack: contextlib.ExitStack) -> dict:
-    """Patch transformers for this model until ``stack`` closes (or leave it stock); the PatchReport as a dict."""
+def apply_deltafuse(model, enabled: bool, stack: contextlib.ExitStack, context_parallel=None) -> dict:
+    """Patch transformers for this model until ``stack`` closes (or leave it stock); the PatchReport as a dict.
+    ``context_parallel``: the process group the model's rows are split over (``deltafuse.apply``'s argument)."""
     if not enabled:
         return _stock_that_runs(model, stack)
     import deltafuse
     from deltafuse.patching import UnsupportedModelError
 
     try:
-        report = stack.enter_context(deltafuse.patched(model))
+        report = stack.enter_context(deltafuse.patched(model, context_parallel=context_parallel))
     except UnsupportedModelError as exc:
         raise TrainInputError(f"deltafuse cannot patch this model ({type(model).__name__}): it is not of a "
                               "supported family; pass --no-deltafuse to train it with stock transformers") from exc
@@ -317,7 +319,14 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     device = setup.training_device()
     dtype = setup.resolve_dtype(args.dtype, device)
     _check_fsdp(args, device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cp_size = getattr(args, "context_parallel", 1)
+    cp.check_arguments(args, world=world, device=device, enabled=enabled, overrides=hfargs.trainer_overrides(args))
     targs = _training_arguments(args, device, dtype, evaluating=eval_rows is not None)
+    layout = None
+    if cp_size > 1:
+        _ = targs.device  # torch.distributed is initialised here (accelerate), then the groups are made
+        layout = cp.Layout(cp_size)
 
     from transformers import set_seed
 
@@ -328,6 +337,9 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     examples = data_mod.encode_rows(tokenizer, rows, args.seq_len, stats, vocab_size=vocab)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     dataset, collator = data_mod.build_dataset(examples, args.seq_len, args.packing, pad_id)
+    if layout is not None:
+        cp.check_model(model, cp_size)
+        collator = cp.ShardCollator(collator, cp_size, layout.rank, pad_id, min_shard=cp.min_shard_tokens(model))
     eval_dataset = None
     if eval_rows is not None:
         eval_stats = data_mod.DataStats(source=args.eval_data)
@@ -344,7 +356,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     if targs.fsdp:  # FSDP wraps the decoder layers this model has (its _no_split_modules name absent ones too)
         targs = _training_arguments(args, device, dtype, evaluating=eval_rows is not None,
                                     fsdp_layers=decoder_layer_classes(model))
-    patch_info = apply_deltafuse(model, enabled, stack)
+    patch_info = apply_deltafuse(model, enabled, stack, context_parallel=layout.group if layout else None)
     moe = bool(setup.expert_parameters(model))  # before PEFT renames the expert parameters
     full = args.mode == "full"
     targets = None
@@ -371,9 +383,14 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
          f"{'bins of <= ' + str(args.seq_len) + ' tokens' if args.packing else 'examples'}, batch size "
          f"{args.batch_size}; {args.max_steps} steps, lr {lr:g}")
 
+    if layout is not None:
+        _say(f"context parallel: every row split over {cp_size} processes; {layout.replicas} data-parallel "
+             f"replica(s) of {args.batch_size} {'bin(s)' if args.packing else 'row(s)'} each")
+
     from transformers import PrinterCallback, ProgressCallback, Trainer
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if layout is not None:
+        Trainer = cp.trainer_class(Trainer, layout, seed=args.seed)
     if world == 1 and targs.n_gpu > 1:
         # one process that sees several GPUs: the Trainer would wrap the model in torch.nn.DataParallel (one
         # thread per GPU, deprecated by torch); train on the first GPU and say how to use them all
@@ -423,6 +440,10 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         tokenizer.save_pretrained(final_dir)
     records = read_metrics(metrics_path)
     mem, mem_kind = peak_memory(device)
+    mem_per_rank = [mem]
+    if world > 1 and torch.distributed.is_initialized():
+        mem_per_rank = [None] * world
+        torch.distributed.all_gather_object(mem_per_rank, mem)
     summary = {
         "model": args.model, "model_description": described, "mode": args.mode,
         "dtype": str(dtype).replace("torch.", ""),
@@ -435,6 +456,10 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         "total_parameters": total, "data": asdict(stats), "steps_run": len(records),
         "final_loss": records[-1]["loss"] if records else None, "train_runtime_s": elapsed,
         "train_loss": result.training_loss, "peak_mem_bytes": mem, "peak_mem_kind": mem_kind,
+        "peak_mem_bytes_per_rank": mem_per_rank,
+        "context_parallel": None if layout is None else {
+            "size": cp_size, "data_parallel_size": layout.replicas,
+            "first_step_shards": getattr(trainer, "first_step_shards", None)},
         "resumed_from": resume_from, "final_dir": final_dir, "trainer_overrides": hfargs.trainer_overrides(args),
         "eval": logger.evals, "final_eval": final_eval,
         "checkpoints": [p for _, p in checkpoints(args.output_dir)],

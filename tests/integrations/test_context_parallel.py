@@ -18,6 +18,7 @@ import torch
 
 from deltafuse.models import build_model
 from tests.integrations import assert_grads_close, packed_inputs, per_sequence_stock, rel_max
+from tests.integrations.context_parallel_worker import build_case_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # three rows of 32 tokens, split at 16: one sequence; boundaries at 5, 14 (crosses the edge two tokens after
@@ -30,26 +31,49 @@ def _rows(vocab: int) -> list[list[torch.Tensor]]:
     return [[torch.randint(0, vocab, (n,)) for n in row] for row in LENGTHS]
 
 
-def _reference(family: str, seed: int, rows):
-    model = build_model(family, seed=seed)
+def _reference(family: str, seed: int, rows, lora: bool = False):
+    model = build_case_model(family, seed, lora)
     loss, logits = per_sequence_stock(model, rows)
     return loss.item(), logits, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _cases(seed: int):
+    """The cases the two ranks run (name -> case) and the rows of each family."""
+    cases, rows_of = {}, {}
+    for family in ("tiny", "tiny-next"):
+        rows = _rows(build_model(family).config.vocab_size)
+        rows_of[family] = rows
+        ids, pos, labels, _, _ = packed_inputs(rows)
+        base = {"family": family, "seed": seed, "ids": ids, "pos": pos, "labels": labels, "disabled": []}
+        cases[family] = base
+        for mode in ("non-reentrant", "reentrant"):  # the fused loss only: the recomputation is what is tested
+            cases[f"{family}, checkpointing {mode}"] = {**base, "checkpointing": mode, "stock_path": False}
+        if family == "tiny":
+            cases["tiny, relay off"] = {**base, "disabled": ["relay"]}
+            cases["tiny, halo off"] = {**base, "disabled": ["halo"]}
+            cases["tiny, lora"] = {**base, "lora": True}
+            cases["tiny, lora, checkpointing reentrant"] = {**base, "lora": True, "checkpointing": "reentrant",
+                                                            "stock_path": False}
+            cases["tiny, fsdp2"] = {**base, "fsdp": True}
+            # what a gradient-accumulation step of twice these targets passes (the same value on every rank)
+            count = sum(len(s) - 1 for row in rows for s in row)  # the counted targets of these rows
+            cases["tiny, num_items_in_batch"] = {**base, "num_items_in_batch": 2 * count, "stock_path": False}
+        else:
+            cases["tiny-next, fsdp2, checkpointing non-reentrant"] = {**base, "fsdp": True,
+                                                                      "checkpointing": "non-reentrant",
+                                                                      "stock_path": False}
+    return cases, rows_of
 
 
 @pytest.mark.slow  # two processes; the full run only
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 def test_two_ranks_equal_stock_per_sequence(tmp_path):
+    """Every case's loss, logits and gradients equal stock's per-sequence run on one process: plain, under HF
+    gradient checkpointing (reentrant and not: the recomputation exchanges nothing and reuses what the first
+    forward received), with LoRA adapters (their gradients), under FSDP2 (``fully_shard`` on the same two ranks;
+    the gradients after its averaging reduce-scatter) and with ``num_items_in_batch`` given."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    cases, refs = {}, {}
-    for family in ("tiny", "tiny-next"):
-        rows = _rows(build_model(family).config.vocab_size)
-        ids, pos, labels, _, _ = packed_inputs(rows)
-        base = {"family": family, "seed": seed, "ids": ids, "pos": pos, "labels": labels}
-        cases[family] = {**base, "disabled": []}
-        refs[family] = (family, rows)
-        if family == "tiny":
-            cases["tiny, relay off"] = {**base, "disabled": ["relay"]}
-            cases["tiny, halo off"] = {**base, "disabled": ["halo"]}
+    cases, rows_of = _cases(seed)
     out = str(tmp_path / "cp.pt")
     torch.save(cases, out + ".data")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
@@ -58,26 +82,50 @@ def test_two_ranks_equal_stock_per_sequence(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = torch.load(out)
-    for family, rows in refs.values():
-        ref_loss, ref_logits, ref_grads = _reference(family, seed, rows)
-        got = results[family]
+    assert sorted(results) == sorted(cases)
+    refs = {}
+    for name, case in cases.items():
+        key = (case["family"], case.get("lora", False))
+        if key not in refs:
+            refs[key] = _reference(case["family"], seed, rows_of[case["family"]], key[1])
+        ref_loss, ref_logits, ref_grads = refs[key]
+        got = results[name]
+        if case["disabled"]:
+            continue  # checked below
         assert got["settings"]["context_parallel"].startswith("2 ranks"), got["settings"]
-        assert got["local_logits_shape"] == (3, 16, ref_logits.shape[-1])  # each rank computed its half only
-        assert got["fused_logits"] is None  # the second pass took the fused loss
-        assert rel_max(got["logits"], ref_logits) <= RTOL, (family, rel_max(got["logits"], ref_logits))
-        for key in ("loss_stock_path", "loss"):
-            assert abs(got[key] - ref_loss) <= RTOL * abs(ref_loss), (family, key, got[key], ref_loss)
-        assert_grads_close(got["grads_stock_path"], ref_grads, rtol=RTOL)
-        assert_grads_close(got["grads"], ref_grads, rtol=RTOL)
-        if family == "tiny":
-            for off in ("relay", "halo"):
-                broken = results[f"tiny, {off} off"]
-                # the exchange matters: without it the second half of the crossing sequences is wrong
-                assert rel_max(broken["logits"], ref_logits) > 100 * RTOL, off
-                worst = max(rel_max(broken["grads"][n], g) for n, g in ref_grads.items() if g is not None)
-                assert worst > 100 * RTOL, (off, worst)
-                # and only there: the first rank's half is unchanged
-                assert rel_max(broken["logits"][:, :16], ref_logits[:, :16]) <= RTOL, off
+        assert got["fused_logits"] is None  # the fused loss ran
+        scale = 1.0
+        if case.get("num_items_in_batch"):
+            count = sum(len(s) - 1 for row in rows_of[case["family"]] for s in row)
+            scale = count / case["num_items_in_batch"]  # sum of the losses / the count given
+            assert scale == 0.5
+        if case.get("lora"):  # only the adapters train
+            trained = sorted(n for n, g in ref_grads.items() if g is not None)
+            assert trained and all("lora_" in n for n in trained), trained
+        layers = build_model(case["family"]).config.layer_types.count("linear_attention")
+        # per rank, the exchanges that a recomputation took from the first forward: every GDN layer's halo and
+        # (rank 1, which receives states) its incoming state, once; none without checkpointing
+        every = layers if case.get("checkpointing") else 0
+        assert got["reused"] == [{"halo": every, "state": 0}, {"halo": every, "state": every}], (name, got["reused"])
+        if case.get("fsdp"):
+            assert got["param_types"] == ["DTensor"], got["param_types"]  # really sharded
+        want = {n: (None if g is None else g * scale) for n, g in ref_grads.items()}
+        assert abs(got["loss"] - ref_loss * scale) <= RTOL * abs(ref_loss), (name, got["loss"], ref_loss * scale)
+        assert_grads_close(got["grads"], want, rtol=RTOL)
+        if case.get("stock_path", True):
+            assert got["local_logits_shape"] == (3, 16, ref_logits.shape[-1])  # each rank computed its half only
+            assert rel_max(got["logits"], ref_logits) <= RTOL, (name, rel_max(got["logits"], ref_logits))
+            assert abs(got["loss_stock_path"] - ref_loss) <= RTOL * abs(ref_loss), (name, got["loss_stock_path"])
+            assert_grads_close(got["grads_stock_path"], ref_grads, rtol=RTOL)
+    ref_loss, ref_logits, ref_grads = refs[("tiny", False)]
+    for off in ("relay", "halo"):
+        broken = results[f"tiny, {off} off"]
+        # the exchange matters: without it the second half of the crossing sequences is wrong
+        assert rel_max(broken["logits"], ref_logits) > 100 * RTOL, off
+        worst = max(rel_max(broken["grads"][n], g) for n, g in ref_grads.items() if g is not None)
+        assert worst > 100 * RTOL, (off, worst)
+        # and only there: the first rank's half is unchanged
+        assert rel_max(broken["logits"][:, :16], ref_logits[:, :16]) <= RTOL, off
 
 
 # --- one process: a group of one rank ----------------------------------------------------------------------
@@ -147,8 +195,8 @@ def test_refused_calls_and_revert(group):
         model(input_ids=ids, attention_mask=mask)
     with pytest.raises(ContextParallelError, match="logits_to_keep=1; allowed: 0"):
         model(input_ids=ids, labels=ids, logits_to_keep=1)
-    with pytest.raises(ContextParallelError, match="num_items_in_batch given"):
-        model(input_ids=ids, labels=ids, num_items_in_batch=5)
+    with pytest.raises(ContextParallelError, match=r"num_items_in_batch=\[5, 6\]; allowed: None or one number"):
+        model(input_ids=ids, labels=ids, num_items_in_batch=[5, 6])
     with pytest.raises(ContextParallelError, match="seq_idx given"):
         model(input_ids=ids, seq_idx=torch.zeros_like(ids))
     gdn = model.model.layers[0].linear_attn

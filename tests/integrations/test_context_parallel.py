@@ -4,7 +4,10 @@ Two gloo processes on CPU each hold one half of every row; the gathered logits, 
 gradient (averaged over the ranks) equal stock transformers run on one process over each sequence alone.
 The rows cover one sequence split across the two ranks, a sequence that starts two tokens before the shard
 edge (the conv halo is partly another sequence), boundaries inside each shard, one exactly at the edge and a
-one-token sequence there. The same run with the state relay (or the conv halo) turned off must differ.
+one-token sequence there. The same run with the state relay (or the conv halo) turned off must differ. The
+same parity holds under HF gradient checkpointing (reentrant and not), with LoRA adapters, under FSDP2 on the
+same two ranks and with ``num_items_in_batch`` given. The attention of the local queries against the gathered
+keys (lower-right causal, no mask tensor on CUDA) is checked against a float64 oracle on its own.
 """
 
 from __future__ import annotations

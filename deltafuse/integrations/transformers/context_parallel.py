@@ -13,20 +13,34 @@ What crosses the shards, forward and backward, and nothing else:
   row's last sequence, runs its shard with it as the initial state of the row's first sequence when that
   sequence continues across the edge (zeros otherwise), and sends its own final states to rank r+1. Backward
   runs the chain in reverse: the gradient of the final state comes from r+1, the initial state's goes to r-1.
-  The ranks run one after another (a sequential relay): exact, not yet faster than one rank.
+  The ranks run one after another (a sequential relay): exact, not yet faster than one rank. The exchanges are
+  two autograd functions around the op (``_ReceiveState`` before, ``_SendState`` after), so the op's own
+  autograd keeps what its backward needs (and gradient checkpointing frees and recomputes it).
 * causal conv1d (``halo_conv1d``): rank r receives the last kernel-1 inputs of rank r-1 as the initial conv
   state, with the positions of another sequence than its first token's zeroed; their gradient goes back.
-* full attention (``attention``): K and V are all-gathered (torch.distributed.nn.functional.all_gather, whose
-  backward is a reduce-scatter); the local queries attend to the keys of their own sequence up to their own
-  global position, sequence by sequence.
+* full attention (``attention``): K and V of the whole row are all-gathered
+  (torch.distributed.nn.functional.all_gather, whose backward is a reduce-scatter; W*L*Hk*D values each, also
+  the ranks after this one's, which no local query reads). A local sequence's queries are the last lq of its
+  keys (from its start, possibly on an earlier rank, to this shard's end): causal attention aligned at the
+  lower right, computed without a mask tensor (``causal_attention_lower_right``): on CUDA in 16-bit one
+  ``varlen_attn`` call over every local sequence (separate query and key offsets; flash attention aligns
+  causality at the lower right), else one ``scaled_dot_product_attention`` per sequence with torch's
+  ``causal_lower_right`` bias (CUDA: the flash kernel with the grouped K/V as they are, or the memory-efficient
+  one with K/V heads repeated; CPU: torch builds the [lq, lk] mask, exact in fp32).
+* gradient checkpointing (HF's, reentrant or not): what a layer received in its first forward (its conv halo
+  and incoming states) is kept on the call's ``Shard`` keyed by the layer; the recomputation inside the
+  backward reuses it and sends nothing, so each exchange happens once forward and its gradient once backward.
+  Attention's all-gather runs again in the recomputation (a collective every rank reaches in the same order).
 * the loss (``causal_lm_forward``): labels are shifted globally (the last token of rank r predicts the first
   label of rank r+1, the last rank's last token nothing); each rank sums the losses of its own tokens, divides
   by the global count of counted targets and the result is all-reduced: ``loss`` on every rank equals the
   single-process mean loss. A ``num_items_in_batch`` given (gradient accumulation: the count over the
-  accumulated micro-batches) replaces that count and must be the same number on every rank, counted over the
-  whole rows (single-process semantics: the loss is the sum over the targets divided by it). Its backward all-reduces the
-  seed, so each rank's parameter gradients are W times its share: averaged over the group (what DDP and
-  FSDP do by default), or summed and divided by W, they equal the single-process gradients.
+  accumulated micro-batches) replaces that count; it must be the same number on every rank, counted over the
+  whole rows (the single-process meaning: the loss is the sum over the targets divided by it). The loss's
+  backward all-reduces the seed, so each rank's parameter gradients are W times its share: averaged over the
+  group (what DDP and FSDP do by default), or summed and divided by W, they equal the single-process
+  gradients. So FSDP2 on the same ranks (2-D: parameters and sequence sharded over one group; ``fully_shard``
+  the layers and the model after ``apply``) gives the single-process gradients after its reduce-scatter.
 
 Refused (one-line errors naming the argument): a cache, an attention mask with zeros, explicit
 ``cu_seq_lens_q`` / ``seq_idx``, multimodal [3, B, T] positions, unequal shapes across ranks, shards shorter

@@ -112,7 +112,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             result["loss_stock_path"] = out.loss.item()
             result["grads_stock_path"] = grads(model)
             model.zero_grad(set_to_none=True)
-        out = model(**inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.get("autocast", False)):
+            out = model(**inputs)
         result["fused_logits"] = out.logits
         out.loss.backward()
         result["loss"] = out.loss.item()

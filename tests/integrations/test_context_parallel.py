@@ -58,6 +58,7 @@ def _cases(seed: int):
             cases["tiny, lora, checkpointing reentrant"] = {**base, "lora": True, "checkpointing": "reentrant",
                                                             "stock_path": False}
             cases["tiny, fsdp2"] = {**base, "fsdp": True}
+            cases["tiny, bf16 autocast"] = {**base, "autocast": True, "stock_path": False}
             # what a gradient-accumulation step of twice these targets passes (the same value on every rank)
             count = sum(len(s) - 1 for row in rows for s in row)  # the counted targets of these rows
             cases["tiny, num_items_in_batch"] = {**base, "num_items_in_batch": 2 * count, "stock_path": False}
@@ -93,7 +94,7 @@ def test_two_ranks_equal_stock_per_sequence(tmp_path):
             refs[key] = _reference(case["family"], seed, rows_of[case["family"]], key[1])
         ref_loss, ref_logits, ref_grads = refs[key]
         got = results[name]
-        if case["disabled"]:
+        if case["disabled"] or case.get("autocast"):
             continue  # checked below
         assert got["settings"]["context_parallel"].startswith("2 ranks"), got["settings"]
         assert got["fused_logits"] is None  # the fused loss ran
@@ -121,12 +122,21 @@ def test_two_ranks_equal_stock_per_sequence(tmp_path):
             assert abs(got["loss_stock_path"] - ref_loss) <= RTOL * abs(ref_loss), (name, got["loss_stock_path"])
             assert_grads_close(got["grads_stock_path"], ref_grads, rtol=RTOL)
     ref_loss, ref_logits, ref_grads = refs[("tiny", False)]
+    # bf16 autocast (HF Trainer's bf16=True on fp32 weights): as close to the fp32 reference as stock under the
+    # same autocast is, per sequence on one process (plus a margin of bf16 rounding)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stock_loss, _, stock_grads = _reference("tiny", seed, rows_of["tiny"])
+    got = results["tiny, bf16 autocast"]
+    assert abs(got["loss"] - ref_loss) <= 2 * abs(stock_loss - ref_loss) + 2e-3 * abs(ref_loss)
+    for n, g in ref_grads.items():
+        assert rel_max(got["grads"][n], g) <= 2 * rel_max(stock_grads[n], g) + 1e-2, n
     for off in ("relay", "halo"):
         broken = results[f"tiny, {off} off"]
-        # the exchange matters: without it the second half of the crossing sequences is wrong
-        assert rel_max(broken["logits"], ref_logits) > 100 * RTOL, off
+        # the exchange matters: without it the second half of the crossing sequences is wrong (by 2.6e-4 of
+        # the largest logit for some seeds of the tiny model: the state's effect decays fast there)
+        assert rel_max(broken["logits"], ref_logits) > 10 * RTOL, off
         worst = max(rel_max(broken["grads"][n], g) for n, g in ref_grads.items() if g is not None)
-        assert worst > 100 * RTOL, (off, worst)
+        assert worst > 10 * RTOL, (off, worst)
         # and only there: the first rank's half is unchanged
         assert rel_max(broken["logits"][:, :16], ref_logits[:, :16]) <= RTOL, off
 

@@ -20,7 +20,7 @@ import torch
 from deltafuse import ops
 from deltafuse.ops import _library
 from deltafuse.integrations.transformers.packing import (
-    Packing, PackingError, held_packing, packing_from_cu_seqlens, packing_from_seq_idx,
+    Packing, PackingError, held_layer, held_packing, packing_from_cu_seqlens, packing_from_seq_idx,
 )
 
 
@@ -86,7 +86,7 @@ def _context_parallel_gdn(op, q, k, v, g, beta, scale, initial_state, output_fin
     def run(q_, k_, v_, g_, b_, h0):
         return _gdn_call(op, q_, k_, v_, g_, b_, scale, h0, True, l2, local)
 
-    return cp.relay_gated_delta_rule(run, q, k, v, g, beta, packing.context), None
+    return cp.relay_gated_delta_rule(run, q, k, v, g, beta, packing.context, held_layer()), None
 
 
 def _state_replaced_in_place(initial_state, output_final_state, *tensors) -> bool:
@@ -208,7 +208,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
             raise cp.ContextParallelError("context parallelism: a conv call with a cache (initial or final "
                                           "states); allowed: the conv over the shard without a cache")
         return cp.halo_conv1d(ops.causal_conv1d_fn, x, weight, bias, activation, _conv_seq_idx(x, packing),
-                              packing.context)
+                              packing.context, held_layer())
     sid = _conv_seq_idx(x, packing)
     return ops.causal_conv1d_fn(x, weight, bias, seq_idx=sid, initial_states=initial_states,
                                 return_final_states=return_final_states, final_states_out=final_states_out,

@@ -13,23 +13,39 @@ What crosses the shards, forward and backward, and nothing else:
   row's last sequence, runs its shard with it as the initial state of the row's first sequence when that
   sequence continues across the edge (zeros otherwise), and sends its own final states to rank r+1. Backward
   runs the chain in reverse: the gradient of the final state comes from r+1, the initial state's goes to r-1.
-  The ranks run one after another (a sequential relay): exact, not yet faster than one rank.
+  The ranks run one after another (a sequential relay): exact, not yet faster than one rank. The exchanges are
+  two autograd functions around the op (``_ReceiveState`` before, ``_SendState`` after), so the op's own
+  autograd keeps what its backward needs (and gradient checkpointing frees and recomputes it).
 * causal conv1d (``halo_conv1d``): rank r receives the last kernel-1 inputs of rank r-1 as the initial conv
   state, with the positions of another sequence than its first token's zeroed; their gradient goes back.
-* full attention (``attention``): K and V are all-gathered (torch.distributed.nn.functional.all_gather, whose
-  backward is a reduce-scatter); the local queries attend to the keys of their own sequence up to their own
-  global position, sequence by sequence.
+* full attention (``attention``): K and V of the whole row are all-gathered
+  (torch.distributed.nn.functional.all_gather, whose backward is a reduce-scatter; W*L*Hk*D values each, also
+  the ranks after this one's, which no local query reads). A local sequence's queries are the last lq of its
+  keys (from its start, possibly on an earlier rank, to this shard's end): causal attention aligned at the
+  lower right, computed without a mask tensor (``causal_attention_lower_right``): on CUDA in 16-bit one
+  ``varlen_attn`` call over every local sequence (separate query and key offsets; flash attention aligns
+  causality at the lower right), else one ``scaled_dot_product_attention`` per sequence with torch's
+  ``causal_lower_right`` bias (CUDA: the flash kernel with the grouped K/V as they are, or the memory-efficient
+  one with K/V heads repeated; CPU: torch builds the [lq, lk] mask, exact in fp32).
+* gradient checkpointing (HF's, reentrant or not): what a layer received in its first forward (its conv halo
+  and incoming states) is kept on the call's ``Shard`` keyed by the layer; the recomputation inside the
+  backward reuses it and sends nothing, so each exchange happens once forward and its gradient once backward.
+  Attention's all-gather runs again in the recomputation (a collective every rank reaches in the same order).
 * the loss (``causal_lm_forward``): labels are shifted globally (the last token of rank r predicts the first
   label of rank r+1, the last rank's last token nothing); each rank sums the losses of its own tokens, divides
   by the global count of counted targets and the result is all-reduced: ``loss`` on every rank equals the
-  single-process mean loss. Its backward all-reduces the
-  seed, so each rank's parameter gradients are W times its share: averaged over the group (what DDP and
-  FSDP do by default), or summed and divided by W, they equal the single-process gradients.
+  single-process mean loss. A ``num_items_in_batch`` given (gradient accumulation: the count over the
+  accumulated micro-batches) replaces that count; it must be the same number on every rank, counted over the
+  whole rows (the single-process meaning: the loss is the sum over the targets divided by it). The loss's
+  backward all-reduces the seed, so each rank's parameter gradients are W times its share: averaged over the
+  group (what DDP and FSDP do by default), or summed and divided by W, they equal the single-process
+  gradients. So FSDP2 on the same ranks (2-D: parameters and sequence sharded over one group; ``fully_shard``
+  the layers and the model after ``apply``) gives the single-process gradients after its reduce-scatter.
 
 Refused (one-line errors naming the argument): a cache, an attention mask with zeros, explicit
 ``cu_seq_lens_q`` / ``seq_idx``, multimodal [3, B, T] positions, unequal shapes across ranks, shards shorter
 than the conv kernel - 1, attention implementations other than ``sdpa``, attention dropout, ``logits_to_keep``,
-``return_token_accuracy``, router aux losses and ``num_items_in_batch`` (the global count is derived here),
+``return_token_accuracy``, router aux losses, a ``num_items_in_batch`` that differs between the ranks,
 torch.compile.
 """
 
@@ -140,6 +156,10 @@ class Shard:
         self.continues = continues
         self.first_start = first_start
         self.attention_calls = 0
+        # what this rank received / sent in the first forward of each layer, keyed by (kind, layer): a
+        # recomputation under gradient checkpointing reuses it instead of exchanging again
+        self.received: dict = {}
+        self.sent: set = set()
 
     @property
     def start(self) -> int:
@@ -293,30 +313,71 @@ def _exchange(tensor: torch.Tensor, shard: Shard, to: int) -> torch.Tensor:
     return out
 
 
+# --- exchanges under recomputation ----------------------------------------------------------------------------
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: gradient checkpointing recomputing a layer (reentrant or
+    not), the only way a context-parallel model's layers run there."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _received_once(shard: Shard, kind: str, layer, receive) -> torch.Tensor:
+    """What ``receive()`` returns, received once per layer and model call: the first forward receives it (and
+    keeps it, detached, on the Shard); a recomputation of the same layer under gradient checkpointing gets a copy
+    of the same values without exchanging anything (the neighbour sends nothing then: its recomputation does not
+    send either). The gradients are exchanged by the backward of the graph that autograd runs, once."""
+    key = (kind, layer)
+    kept = shard.received.get(key)
+    if kept is not None:
+        if not _recomputing():
+            raise _refuse(f"{type(layer).__name__} (layer {getattr(layer, 'layer_idx', '?')}) ran twice in one "
+                          "model call outside a recomputation", "each layer once per call (gradient checkpointing "
+                          "recomputes it inside the backward)")
+        return kept.clone()
+    if layer is None:
+        raise RuntimeError(f"context-parallel {kind}: called outside a GDN layer's forward (no layer to key the "
+                           "exchange by)")
+    value = receive()
+    shard.received[key] = value.detach()
+    return value
+
+
+def _sends_once(shard: Shard, kind: str, layer) -> bool:
+    """Whether to send now: in the first forward of the layer, not in its recomputation."""
+    key = (kind, layer)
+    if key in shard.sent:
+        if not _recomputing():
+            raise _refuse(f"{type(layer).__name__} (layer {getattr(layer, 'layer_idx', '?')}) ran twice in one "
+                          "model call outside a recomputation", "each layer once per call")
+        return False
+    shard.sent.add(key)
+    return True
+
+
 class _Halo(torch.autograd.Function):
     """The previous rank's ``tail`` (zeros on rank 0); backward returns the gradient to where it came from."""
 
     @staticmethod
-    def forward(ctx, shard, tail):
+    def forward(ctx, shard, layer, tail):
         ctx.shard = shard
-        return _exchange(tail, shard, +1)
+        return _received_once(shard, "halo", layer, lambda: _exchange(tail, shard, +1))
 
     @staticmethod
     def backward(ctx, grad):
-        return None, _exchange(grad, ctx.shard, -1)
+        return None, None, _exchange(grad, ctx.shard, -1)
 
 
-def halo_conv1d(conv, x, weight, bias, activation, seq_idx, shard: Shard):
+def halo_conv1d(conv, x, weight, bias, activation, seq_idx, shard: Shard, layer=None):
     """``conv(x, weight, bias, seq_idx=..., initial_states=..., activation=...)`` on this rank's shard with the
     previous rank's last W-1 inputs as the initial state of each row's first sequence (positions of another
-    sequence zeroed: a boundary at or just before the edge stops it)."""
+    sequence zeroed: a boundary at or just before the edge stops it). ``layer``: the GDN layer calling it (its
+    halo is received once per model call, see ``_received_once``)."""
     W = weight.shape[1]
     if W == 1 or shard.world == 1:
         return conv(x, weight, bias, seq_idx=seq_idx, activation=activation)
     B, C, L = x.shape
     if L < W - 1:
         raise _refuse(f"a conv input of {L} tokens with a kernel of {W}", f"at least {W - 1} tokens per rank")
-    halo = _Halo.apply(shard, x[:, :, L - (W - 1):])
+    halo = _Halo.apply(shard, layer, x[:, :, L - (W - 1):])
     if shard.rank == 0 or "halo" in _DISABLED:
         keep = torch.zeros(B, W - 1, dtype=torch.bool, device=x.device)
     else:
@@ -326,82 +387,205 @@ def halo_conv1d(conv, x, weight, bias, activation, seq_idx, shard: Shard):
     return conv(x, weight, bias, seq_idx=seq_idx, initial_states=initial, activation=activation)
 
 
-class _Relay(torch.autograd.Function):
-    """The GDN op on this rank's shard between the previous rank's final states and the next rank."""
+class _ReceiveState(torch.autograd.Function):
+    """The previous rank's final GDN states [B, HV, K, V] (zeros on rank 0). Its output requires a gradient
+    whenever one of ``anchors`` (the op's inputs) does, the same condition under which the previous rank's
+    ``_SendState`` waits for that gradient; the backward sends it (zeros when autograd has none)."""
 
     @staticmethod
-    def forward(ctx, shard, run, state_shape, state_dtype, *inputs):
-        B = shard.batch
-        like = inputs[0].new_zeros(state_shape, dtype=state_dtype)
-        incoming = _recv(like, shard, -1) if shard.rank > 0 else like
-        h0 = None  # the leaf whose gradient goes back to the previous rank
-        needs = [t is not None and t.requires_grad for t in inputs]
-        grad = any(needs)
-        with torch.set_grad_enabled(grad):
-            leaves = [t.detach().requires_grad_(n) if t is not None else None for t, n in zip(inputs, needs)]
-            initial = None
-            if any(shard.continues) and "relay" not in _DISABLED:
-                h0 = incoming.requires_grad_(grad)
-                mask = torch.tensor(shard.continues, device=like.device).view(B, 1, 1, 1)
-                initial = h0 * mask.to(h0.dtype)  # rows whose first sequence starts at the edge start from zeros
-            o, final = run(*leaves, initial)
-        if final.shape != like.shape or final.dtype != like.dtype:
-            raise RuntimeError(f"context-parallel GDN: final state {tuple(final.shape)} {final.dtype}, expected "
-                               f"{tuple(like.shape)} {like.dtype}")
-        if shard.rank < shard.world - 1:
+    def forward(ctx, shard, layer, shape, dtype, *anchors):
+        ctx.shard, ctx.count = shard, len(anchors)
+        like = anchors[0].new_zeros(shape, dtype=dtype)
+        if shard.rank == 0:
+            return like
+        return _received_once(shard, "state", layer, lambda: _recv(like, shard, -1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.shard.rank > 0:
+            _send(grad, ctx.shard, -1)
+        return (None, None, None, None) + (None,) * ctx.count
+
+
+class _SendState(torch.autograd.Function):
+    """Identity on the GDN output ``o`` that sends this rank's ``final`` states to the next rank (once per layer
+    and model call); its backward receives their gradient from the next rank."""
+
+    @staticmethod
+    def forward(ctx, shard, layer, o, final):
+        ctx.shard = shard
+        ctx.state = (final.shape, final.dtype, final.device)
+        if shard.rank < shard.world - 1 and _sends_once(shard, "state", layer):
             _send(final.detach(), shard, +1)
-        ctx.shard, ctx.leaves, ctx.h0, ctx.o, ctx.final, ctx.like = shard, leaves, h0, o, final, like
-        return o.detach()
+        return o.view_as(o)
 
     @staticmethod
     def backward(ctx, do):
-        shard = ctx.shard
-        dfinal = _recv(ctx.like, shard, +1) if shard.rank < shard.world - 1 else None
-        outs, seeds = [ctx.o], [do]
-        if dfinal is not None and ctx.final.requires_grad:
-            outs.append(ctx.final)
-            seeds.append(dfinal)
-        targets = [t for t in ctx.leaves if t is not None and t.requires_grad]
-        with_h0 = ctx.h0 is not None and ctx.h0.requires_grad
-        if with_h0:
-            targets.append(ctx.h0)
-        got = list(torch.autograd.grad(outs, targets, seeds, allow_unused=True))
-        dh0 = got.pop() if with_h0 else None
-        if shard.rank > 0:
-            _send(torch.zeros_like(ctx.like) if dh0 is None else dh0, shard, -1)
-        grads = []
-        for t in ctx.leaves:
-            grads.append(got.pop(0) if t is not None and t.requires_grad else None)
-        ctx.leaves = ctx.h0 = ctx.o = ctx.final = None
-        return (None, None, None, None) + tuple(grads)
+        dfinal = None
+        if ctx.shard.rank < ctx.shard.world - 1:
+            shape, dtype, device = ctx.state
+            dfinal = _recv(torch.empty(shape, dtype=dtype, device=device), ctx.shard, +1)
+        return None, None, do, dfinal
 
 
-def relay_gated_delta_rule(run, q, k, v, g, beta, shard: Shard):
+def relay_gated_delta_rule(run, q, k, v, g, beta, shard: Shard, layer=None):
     """``run(q, k, v, g, beta, initial_state) -> (o, final state per row)`` on this rank's shard, with the
-    state relay to and from the neighbouring ranks (see the module docstring)."""
+    state relay to and from the neighbouring ranks (see the module docstring). The exchanges are two autograd
+    functions around the op (receive before, send after), so the op's own autograd saves what it needs (freed
+    and recomputed under gradient checkpointing like any other layer's) and a recomputation exchanges nothing:
+    it reuses the state the first forward received (``layer`` keys it)."""
     state_shape = (shard.batch, v.shape[2], q.shape[3], v.shape[3])
     state_dtype = torch.promote_types(q.dtype, torch.float32)
     if shard.world == 1:
         return run(q, k, v, g, beta, None)[0]
-    return _Relay.apply(shard, run, state_shape, state_dtype, q, k, v, g, beta)
+    incoming = _ReceiveState.apply(shard, layer, state_shape, state_dtype, q, k, v, g, beta)
+    continues = shard.continues if "relay" not in _DISABLED else (False,) * shard.batch
+    # every rank but the first always takes the previous rank's states into its graph (zeroed for rows whose first
+    # sequence starts at the edge), so that the gradient the previous rank waits for is always sent back
+    mask = torch.tensor(continues, device=incoming.device).view(shard.batch, 1, 1, 1)
+    o, final = run(q, k, v, g, beta, incoming * mask.to(incoming.dtype))
+    if final.shape != state_shape or final.dtype != state_dtype:
+        raise RuntimeError(f"context-parallel GDN: final state {tuple(final.shape)} {final.dtype}, expected "
+                           f"{state_shape} {state_dtype}")
+    return _SendState.apply(shard, layer, o, final)
 
 
 # --- attention ------------------------------------------------------------------------------------------------
+def attention_segments(packing: p.Packing, shard: Shard) -> list[tuple[int, int, int, int, int]]:
+    """(row b, first local query i0, query count lq, first key k0, key count lk) of every local sequence: its
+    queries are the columns [i0, i0 + lq) of the shard, its keys the global columns [k0, k0 + lk) of the row,
+    from its start to the shard's last query of it. The queries are the last lq of the keys: causal attention
+    aligned at the lower right (query i sees keys up to k0 + lk - lq + i). Within a row the key ranges of its
+    local sequences are consecutive: together [first_start[b], shard end)."""
+    L = packing.length
+    out = []
+    for s, e in zip(packing.offsets[:-1], packing.offsets[1:]):
+        b = s // L
+        i0, lq = s - b * L, e - s
+        g0 = shard.start + i0
+        k0 = shard.first_start[b] if i0 == 0 else g0
+        out.append((b, i0, lq, k0, g0 + lq - k0))
+    return out
+
+
+def _flash_takes_gqa(query, key, value) -> bool:
+    """Whether torch's flash kernel serves this call with fewer key/value heads as they are (CUDA, 16-bit, head
+    size <= 256): ``causal_lower_right`` then reaches it without a mask and without repeating K/V."""
+    if query.device.type != "cuda":
+        return False
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        return bool(can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, False, True)))
+    except (ImportError, TypeError, RuntimeError):
+        return False
+
+
+def _repeat_heads(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
+    """Each key/value head ``group`` times in a row (repeat_interleave's order) through one expand + reshape."""
+    if group == 1:
+        return x
+    shape = list(x.shape)
+    expanded = x.unsqueeze(dim + 1).expand(*shape[:dim + 1], group, *shape[dim + 1:])
+    shape[dim] *= group
+    return expanded.reshape(shape)
+
+
+def _by_sequence(query, key, value, segments, scaling):
+    """One ``scaled_dot_product_attention`` per local sequence with torch's lower-right causal bias (no mask
+    tensor on CUDA: the flash kernel (16-bit, head size <= 256, grouped K/V as they are) or the memory-efficient
+    one (K/V heads repeated); CPU builds the [lq, lk] mask itself and computes in the given dtype)."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    B, Hq, L, D = query.shape
+    group = Hq // key.shape[1]
+    native = group == 1 or query.device.type != "cuda" or _flash_takes_gqa(query[:1, :, :1], key[:1, :, :1],
+                                                                            value[:1, :, :1])
+    rows = [[] for _ in range(B)]
+    for b, i0, lq, k0, lk in segments:
+        q = query[b:b + 1, :, i0:i0 + lq]
+        k, v = key[b:b + 1, :, k0:k0 + lk], value[b:b + 1, :, k0:k0 + lk]
+        if not native:
+            k, v = _repeat_heads(k, group, 1), _repeat_heads(v, group, 1)
+        rows[b].append(F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk), scale=scaling,
+                                                      enable_gqa=native and group > 1))
+    out = torch.cat([torch.cat(parts, dim=2) for parts in rows], dim=0)
+    return out.transpose(1, 2).contiguous()
+
+
+def _varlen(query, key, value, segments, scaling, cu_q):
+    """All local sequences in one ``varlen_attn`` call (flash attention, CUDA, 16-bit): queries flattened on the
+    B*L axis, keys the concatenated key ranges of the rows, causal (flash aligns it at the lower right when a
+    sequence has more keys than queries). None when this torch or this call cannot use it."""
+    from deltafuse.ops.attention.packed import VARLEN_MAX_HEAD_DIM, varlen_api
+
+    api = varlen_api()
+    B, Hq, L, D = query.shape
+    Hk = key.shape[1]
+    if (api is None or query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16)
+            or D > VARLEN_MAX_HEAD_DIM or key.dtype != query.dtype or value.shape[-1] != D):
+        return None
+    varlen_attn, (causal_kw, causal_value), takes_scale, takes_gqa = api
+    default_scale = scaling is None or scaling == D ** -0.5
+    if not takes_scale and not default_scale:
+        return None
+    q = query.transpose(1, 2).reshape(B * L, Hq, D)
+    spans = []  # per row, its consecutive key range
+    for b in range(B):
+        mine = [s for s in segments if s[0] == b]
+        spans.append((b, mine[0][3], mine[-1][3] + mine[-1][4]))
+    k = torch.cat([key[b, :, lo:hi].transpose(0, 1) for b, lo, hi in spans])
+    v = torch.cat([value[b, :, lo:hi].transpose(0, 1) for b, lo, hi in spans])
+    lengths_k = [s[4] for s in segments]
+    cu_k = torch.tensor([0] + lengths_k, dtype=torch.int64).cumsum(0).to(device=query.device, dtype=torch.int32)
+    kwargs = {causal_kw: causal_value}
+    if takes_scale and not default_scale:
+        kwargs["scale"] = scaling
+    if Hq != Hk:
+        if takes_gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = _repeat_heads(k, Hq // Hk, 1), _repeat_heads(v, Hq // Hk, 1)
+    out = varlen_attn(q, k, v, cu_q.to(device=query.device, dtype=torch.int32), cu_k,
+                      max(s[2] for s in segments), max(lengths_k), **kwargs)
+    return out.view(B, L, Hq, D)
+
+
+def causal_attention_lower_right(query, key, value, segments, scaling=None, cu_seqlens_q=None):
+    """Local queries [B, Hq, L, D] against the gathered keys/values [B, Hk, T, D] of their rows, sequence by
+    sequence as ``segments`` (``attention_segments``) says; returns [B, L, Hq, D] (contiguous). No [lq, lk] mask
+    and no repeated K/V on CUDA: ``varlen_attn`` (one call, 16-bit) when ``cu_seqlens_q`` (the local offsets) are
+    given and it serves the call, else the per-sequence loop (``_by_sequence``)."""
+    B, Hq, L, D = query.shape
+    if Hq % key.shape[1]:
+        raise ValueError(f"query has {Hq} heads and key {key.shape[1]}; the query heads must be a multiple of the "
+                         "key heads")
+    if cu_seqlens_q is not None:
+        out = _varlen(query, key, value, segments, scaling, cu_seqlens_q)
+        if out is not None:
+            return out
+    return _by_sequence(query, key, value, segments, scaling)
+
+
 def attention(module, query, key, value, dropout, scaling, packing: p.Packing):
     """Causal attention of the local queries [B, Hq, L, D] against every rank's keys of their own sequence.
-    Returns [B, L, Hq, D] (contiguous), what transformers' attention functions return."""
-    import torch.nn.functional as F
+    Returns [B, L, Hq, D] (contiguous), what transformers' attention functions return.
 
+    K and V of the whole row are all-gathered (the ranks after this one included, although only the keys up to
+    this shard's end are used: W*L*Hk*D values each, 64 MiB per tensor at 65,536 tokens with 2 K/V heads of 256
+    in bf16); under gradient checkpointing the recomputation gathers them again (a collective every rank runs in
+    the same order)."""
     shard = packing.context
     if dropout:
         raise _refuse(f"attention dropout {dropout}", "0.0 (config.attention_dropout=0 or model.eval())")
-    B, Hq, L, D = query.shape
-    Hk = key.shape[1]
-    if Hq % Hk:
-        raise ValueError(f"query has {Hq} heads and key {Hk}; the query heads must be a multiple of the key heads")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}; the query heads must be a "
+                         "multiple of the key heads")
     if shard.world > 1:
         from torch.distributed.nn.functional import all_gather
 
+        Hk = key.shape[1]
         both = torch.cat([key, value], dim=1) if key.shape[-1] == value.shape[-1] else None
         if both is not None:
             full = torch.cat(all_gather(both, group=shard.group), dim=2)
@@ -409,25 +593,9 @@ def attention(module, query, key, value, dropout, scaling, packing: p.Packing):
         else:
             key = torch.cat(all_gather(key, group=shard.group), dim=2)
             value = torch.cat(all_gather(value, group=shard.group), dim=2)
-    group = Hq // Hk
-    rows = [[] for _ in range(B)]
-    offsets = packing.offsets
-    for s, e in zip(offsets[:-1], offsets[1:]):
-        b = s // L
-        i0, lq = s - b * L, e - s
-        g0 = shard.start + i0
-        first = shard.first_start[b] if i0 == 0 else g0
-        lk = g0 - first + lq
-        k = key[b:b + 1, :, first:g0 + lq]
-        v = value[b:b + 1, :, first:g0 + lq]
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
-        rows[b].append(F.scaled_dot_product_attention(query[b:b + 1, :, i0:i0 + lq], k, v, attn_mask=mask,
-                                                      scale=scaling))
     shard.attention_calls += 1
-    out = torch.cat([torch.cat(parts, dim=2) for parts in rows], dim=0)
-    return out.transpose(1, 2).contiguous()
+    return causal_attention_lower_right(query, key, value, attention_segments(packing, shard), scaling,
+                                        packing.cu_seqlens)
 
 
 # --- the loss -----------------------------------------------------------------------------------------------
@@ -448,12 +616,13 @@ def causal_lm_forward(inner, positional, self, group, args, kwargs):
     labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
     if labels is None and shift is None:
         return inner(self, **kwargs)
-    if kwargs.get("num_items_in_batch") is not None:
-        raise _refuse("num_items_in_batch given", "None (the global count of targets is derived across ranks)")
     ignore = kwargs.get("ignore_index", -100)
     target = labels if shift is None else shift
     if not isinstance(target, torch.Tensor) or target.dim() != 2:
         raise _refuse(f"labels of shape {getattr(target, 'shape', type(target).__name__)}", "[B, T/W]")
+    given = kwargs.get("num_items_in_batch")
+    if given is not None:
+        _same_count(given, group, target.device)
     _same_shapes(tuple(target.shape), group, "the label shapes [B, T/W]", target.device)
     if shift is None:
         dist = _dist()
@@ -463,15 +632,29 @@ def causal_lm_forward(inner, positional, self, group, args, kwargs):
         kwargs["shift_labels"] = torch.cat([labels[:, 1:], nxt.to(labels.device)], dim=1)
     elif labels is None:
         kwargs["labels"] = shift  # the stock forward computes a loss only with labels; shift_labels wins
-    count = (kwargs["shift_labels"] != ignore).sum().to(torch.int64)
-    _dist().all_reduce(count, group=group)
-    kwargs["num_items_in_batch"] = count
+    if given is None:
+        count = (kwargs["shift_labels"] != ignore).sum().to(torch.int64)
+        _dist().all_reduce(count, group=group)
+        kwargs["num_items_in_batch"] = count
     out = inner(self, **kwargs)
     if isinstance(out, tuple):
         return (_SumOverRanks.apply(group, out[0]),) + tuple(out[1:]) if out and out[0] is not None else out
     if out.get("loss") is not None:
         out["loss"] = _SumOverRanks.apply(group, out["loss"])
     return out
+
+
+def _same_count(given, group, device) -> None:
+    """Raise unless ``num_items_in_batch`` is one number, the same on every rank."""
+    if isinstance(given, bool) or not isinstance(given, (int, float, torch.Tensor)) or (
+            isinstance(given, torch.Tensor) and given.numel() != 1):
+        raise _refuse(f"num_items_in_batch={given!r}", "None or one number (a Python number or a one-element tensor)")
+    value = torch.as_tensor(given, dtype=torch.float64).reshape(1).to(device)
+    got = [float(v) for v in torch.cat(_gather(value, group)).tolist()]
+    if any(v != got[0] for v in got):
+        raise _refuse(f"num_items_in_batch differs between the ranks: {got}", "the same count on every rank: the "
+                      "targets of the whole rows (every rank's shard), summed over the accumulated micro-batches, "
+                      "or None (then the count of this call's targets over all ranks)")
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -189,6 +189,7 @@ class Packing:
 class _HeldPacking:
     packing: Packing
     used: set = dataclasses.field(default_factory=set)  # "gdn", "conv": the op adapters that took it
+    layer: object = None  # the GDN layer whose forward holds it (context parallelism keys its exchanges by it)
 
 
 @torch.library.custom_op("deltafuse::packing_starts", mutates_args=())
@@ -330,6 +331,12 @@ def held_packing(op: str, batch: int, length: int | None) -> Packing | None:
     held.packing.check(batch, length, f"the {op} op inside a GDN layer")
     held.used.add(op)
     return held.packing
+
+
+def held_layer():
+    """The GDN layer whose forward is in progress with a held Packing (None outside one)."""
+    held = _OP_PACKING.get()
+    return None if held is None else held.layer
 
 
 # --- forward wrappers --------------------------------------------------------------------------------
@@ -522,7 +529,7 @@ def wrap_gdn_forward(original):
                     "nor through a 'linear_attn' attribute; refusing to mix the sequences")
             return original(self, *args, **kwargs)  # one sequence per row: nothing to separate
         packing.check(batch, length, type(self).__name__)
-        held = _HeldPacking(packing)
+        held = _HeldPacking(packing, layer=self)
         token = _OP_PACKING.set(held)
         try:
             out = original(self, *args, **kwargs)

@@ -166,7 +166,10 @@ class ChunkOptions:
     warps_bo: int = 8
     stages: int = 2
     # forward kernels
-    fwd_prod_wh: str = "x2"
+    # w times the state in 16 bits (one product), the state update split: on the H200 the 16-bit state update
+    # put the hardest oracle case (decay near zero) over the bf16 bound (o 3.03e-3 > 3e-3), the 16-bit w-state
+    # product did not (2.84e-3) and is 2 % (16 K-64 K tokens) to 10 % (4 K) faster (BENCHMARKS.md, session 7)
+    fwd_prod_wh: str = "16"
     fwd_prod_kv: str = "x2"
     fwd_prod_qh: str = "x2"
     fwd_prod_sv: str = "x2"

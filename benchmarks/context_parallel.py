@@ -6,6 +6,7 @@ memory or times out is recorded as such and the others still run:
 
   one-L   one GPU, rows of L tokens                   for every L in --lengths
   cp2-L   two GPUs, --context-parallel 2 (torchrun)   for every L in --lengths and --cp-only
+          (with --fsdp: and FSDP2 over the same two GPUs, --fsdp full_shard)
 The default (4 steps, 3 above 65,536 tokens; 120 s / 150 s per run) fits about 8 minutes on 2 H200s.
 Rows of at least --checkpointing-from tokens train with --gradient-checkpointing (in both runs of a length).
 The one-GPU runs of different lengths go to different GPUs at the same time. Writes DIR/context_parallel.json and
@@ -69,8 +70,9 @@ def command(run: dict, args, data: str) -> list[str]:
     if run["checkpointing"]:
         train.append("--gradient-checkpointing")
     if run["gpus"] > 1:
+        fsdp = ["--fsdp", "full_shard"] if args.fsdp else []
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run['gpus']}",
-                *train, "--context-parallel", str(run["gpus"])]
+                *train, "--context-parallel", str(run["gpus"]), *fsdp]
     return [sys.executable, *train]
 
 
@@ -161,7 +163,9 @@ def markdown(args, runs: list[dict], ratios: list[dict], wall: float) -> str:
         return "-" if value is None else format(value, fmt)
 
     lines = [f"{args.model} LoRA, one sequence per row, batch 1, {args.steps} steps per run ({args.long_steps} above "
-             f"65,536 tokens; the median of the steps after the first {args.warmup}), {wall:.0f} s in all", "",
+             f"65,536 tokens; the median of the steps after the first {args.warmup}), {wall:.0f} s in all; two-GPU "
+             f"runs: --context-parallel 2" + (" with FSDP2 (--fsdp full_shard) on the same GPUs" if args.fsdp else ""),
+             "",
              "| run | GPUs | tokens | grad ckpt | status | steps | median step (s) | tokens/s | peak GiB per GPU "
              "(rank 0, 1) | first loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -202,6 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=120, help="seconds per run (default: %(default)s)")
     p.add_argument("--long-timeout", type=float, default=150,
                    help="seconds per run of rows above 65,536 tokens (default: %(default)s)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="two-GPU runs also shard the parameters over the same GPUs (--fsdp full_shard, FSDP2)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (gloo): checks the machinery only")
     p.add_argument("--dry-run", action="store_true", help="write the data and print the commands; run nothing")
     args = p.parse_args(argv)

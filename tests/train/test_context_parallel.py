@@ -58,6 +58,8 @@ def test_combinations_not_served(no_model, monkeypatch, capsys, tmp_path):
              "--context-parallel 2 with --eval-data")
     cp_fails(monkeypatch, capsys, tmp_path, 2, ["--context-parallel", "2", "--torch_compile", "true"],
              "--context-parallel 2 with --torch_compile")
+    cp_fails(monkeypatch, capsys, tmp_path, 2, ["--context-parallel", "2", "--fsdp", "full_shard"],
+             "--context-parallel 2 with --fsdp full_shard", "allowed: --context-parallel without --fsdp")
     # several groups on CPU: gloo serves one only
     cp_fails(monkeypatch, capsys, tmp_path, 4, ["--context-parallel", "2"],
              "--context-parallel 2 with 4 processes on cpu", "allowed here: 2 processes")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from deltafuse.models import build_model
+from tests.helpers import rel_rms
 from tests.integrations import assert_grads_close, packed_inputs, per_sequence_stock, rel_max
 from tests.integrations.context_parallel_worker import build_case_model
 
@@ -128,8 +129,16 @@ def test_two_ranks_equal_stock_per_sequence(tmp_path):
         stock_loss, _, stock_grads = _reference("tiny", seed, rows_of["tiny"])
     got = results["tiny, bf16 autocast"]
     assert abs(got["loss"] - ref_loss) <= 2 * abs(stock_loss - ref_loss) + 2e-3 * abs(ref_loss)
+    # per tensor a loose bound (a tensor of a few elements, e.g. dt_bias, has a noisy bf16 error: the ratio of two
+    # such errors swings with the seed), over all gradients together a tight one
     for n, g in ref_grads.items():
-        assert rel_max(got["grads"][n], g) <= 2 * rel_max(stock_grads[n], g) + 1e-2, n
+        ours_err, stock_err = rel_max(got["grads"][n], g), rel_max(stock_grads[n], g)
+        assert ours_err <= 3 * stock_err + 2e-2, (n, ours_err, stock_err)
+    names = [n for n, g in ref_grads.items() if g is not None]
+    flat = lambda grads: torch.cat([grads[n].double().flatten() for n in names])  # noqa: E731
+    ref_flat = flat(ref_grads)
+    ours_err, stock_err = rel_rms(flat(got["grads"]), ref_flat), rel_rms(flat(stock_grads), ref_flat)
+    assert ours_err <= 1.5 * stock_err + 2e-3, (ours_err, stock_err)
     for off in ("relay", "halo"):
         broken = results[f"tiny, {off} off"]
         # the exchange matters: without it the second half of the crossing sequences is wrong (by 2.6e-4 of

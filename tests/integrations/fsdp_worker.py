@@ -10,16 +10,19 @@ sequence ignored as padding-free collators do). Two kinds of runs, named by the 
   the model; optionally LoRA (on lm_head too when the case says so). Each records whether the fused loss
   ran (the output logits are None) and how many all-gathers the head's FSDP group made (forward + backward).
 
-Rank 0 writes the mean loss and every full (unsharded) gradient to the file named on the command line.
+Rank 0 writes the mean loss and every full (unsharded) gradient to the file named on the command line. With
+FSDP_WORKER_DEVICE=cuda the ranks run on GPUs r (NCCL); a case with "mixed": True shards with accelerate's bf16
+policy (parameters, reduction and every FSDP module's output in bf16).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 import deltafuse
@@ -70,24 +73,27 @@ def gathers_counted() -> dict:
     return counts
 
 
-def shard(model, wrap: str) -> None:
-    """fully_shard each decoder layer, then lm_head as ``wrap`` says (see the module docstring), then the model."""
+def shard(model, wrap: str, mixed: bool = False) -> None:
+    """fully_shard each decoder layer, then lm_head as ``wrap`` says (see the module docstring), then the model;
+    ``mixed``: with accelerate's bf16 policy."""
+    bf16 = torch.bfloat16
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)} if mixed else {}
     causal = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in causal.model.layers:
-        fully_shard(layer)
+        fully_shard(layer, **kw)
     head = causal.get_output_embeddings()
     if wrap == "head":
-        fully_shard(head, reshard_after_forward=True)
+        fully_shard(head, reshard_after_forward=True, **kw)
     elif wrap == "tail":
-        fully_shard([causal.model.norm, head], reshard_after_forward=False)
-    fully_shard(model)
+        fully_shard([causal.model.norm, head], reshard_after_forward=False, **kw)
+    fully_shard(model, **kw)
 
 
 def run_wrap(family: str, seed: int, inputs: dict, case: dict) -> dict:
-    model = build(family, seed, case.get("lora"))
+    model = build(family, seed, case.get("lora")).to(DEVICE)
     deltafuse.apply(model)
     try:
-        shard(model, case["wrap"])
+        shard(model, case["wrap"], case.get("mixed", False))
         causal = model.get_base_model() if hasattr(model, "get_base_model") else model
         head = causal.get_output_embeddings()
         counts = gathers_counted()
@@ -97,10 +103,10 @@ def run_wrap(family: str, seed: int, inputs: dict, case: dict) -> dict:
         finally:
             counts.pop("restore")()
         group = head._get_fsdp_state()._fsdp_param_group if isinstance(head, FSDPModule) else None
-        mean = out.loss.detach().clone()
+        mean = out.loss.detach().float()
         dist.all_reduce(mean)
-        return {"loss": (mean / dist.get_world_size()).item(), "logits": out.logits,
-                "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None},
+        return {"loss": (mean / dist.get_world_size()).item(), "logits": out.logits, "loss_dtype": str(out.loss.dtype),
+                "grads": {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters() if p.grad is not None},
                 "param_types": sorted({type(p).__name__ for p in model.parameters()}),
                 "head_type": type(head).__name__, "head_gathers": counts.get(group) if group else None}
     finally:
@@ -127,12 +133,19 @@ def run_order(family: str, seed: int, inputs: dict, order: str) -> dict:
             "param_types": sorted({type(p).__name__ for p in model.parameters()})}
 
 
+DEVICE = os.environ.get("FSDP_WORKER_DEVICE", "cpu")
+
+
 def main(family: str, seed: int, out_path: str) -> None:
-    dist.init_process_group("gloo")
+    global DEVICE
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
     rank = dist.get_rank()
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+        DEVICE = f"cuda:{rank}"
     data = torch.load(out_path + ".data")
     input_ids, position_ids, labels = row(data["rows"][rank], data["lengths"][rank])
-    inputs = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+    inputs = {"input_ids": input_ids.to(DEVICE), "position_ids": position_ids.to(DEVICE), "labels": labels.to(DEVICE)}
     if "wraps" in data:
         results = {name: run_wrap(family, seed, inputs, case) for name, case in data["wraps"].items()}
     else:

@@ -359,7 +359,8 @@ def wrap_causal_lm_forward(original):
         head = None
         if fused_loss_blocker(self, {**kwargs, "return_dict": return_dict}, skip) is None:
             head = self.get_output_embeddings()
-            if head is not None and (not fused_head(head) or _head_rows(head) != getattr(self.config, "vocab_size", None)):
+            vocab = getattr(self.config, "vocab_size", None)
+            if head is not None and (not fused_head(head) or _head_rows(head) != vocab):
                 head = None
         if head is None:  # the stock path
             if not accuracy:

@@ -319,14 +319,6 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     device = setup.training_device()
     dtype = setup.resolve_dtype(args.dtype, device)
     cp_size = getattr(args, "context_parallel", 1)
-    if cp_size > 1 and _fsdp_requested(hfargs.trainer_overrides(args)):
-        # measured on 2 H200s (BENCHMARKS.md, session 7): through the Trainer's FSDP2 the first loss came out rounded
-        # to bf16 (1e-3 from one GPU's) and the peak memory per GPU grew (67 vs 29 GiB at 32 K tokens; 64 K ran out
-        # of memory asking for 30.3 GiB, the fp32 logits of 32 K tokens): the fused loss did not run there
-        raise TrainInputError(f"--context-parallel {cp_size} with --fsdp {hfargs.trainer_overrides(args)['fsdp']}: "
-                              "the Trainer's FSDP2 with context parallelism is not exact and uses more memory than "
-                              "without it; allowed: --context-parallel without --fsdp (or FSDP2 in your own loop: "
-                              "deltafuse.apply(model, context_parallel=group), then fully_shard)")
     _check_fsdp(args, device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cp.check_arguments(args, world=world, device=device, enabled=enabled, overrides=hfargs.trainer_overrides(args))

@@ -2,7 +2,8 @@
 torch.distributed.run.
 
 For every case of the data file (a family, a seed, [B, T] input_ids / position_ids / labels of whole rows, and
-how the model is set up: LoRA, gradient checkpointing, FSDP2), rank r runs tokens [r*T/W, (r+1)*T/W) of every
+how the model is set up: LoRA, gradient checkpointing, FSDP2 with lm_head in the model's group, its own
+module or accelerate's [final norm, lm_head] group), rank r runs tokens [r*T/W, (r+1)*T/W) of every
 row through the model with ``deltafuse.apply(model, context_parallel=WORLD)``: once with logits
 (``skip_logits=False``: the stock loss path) when the case asks for it, once with the fused loss. Rank 0 writes
 the loss, the gathered logits and every parameter gradient averaged over the ranks (by FSDP2's reduce-scatter
@@ -87,9 +88,15 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     if case.get("fsdp"):
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for layer in causal.model.layers:
             fully_shard(layer)
+        if case["fsdp"] == "head":  # lm_head its own FSDP module
+            fully_shard(causal.get_output_embeddings())
+        elif case["fsdp"] == "tail":  # accelerate's FSDP2: [final norm, lm_head] one group, kept after forward
+            fully_shard([causal.model.norm, causal.get_output_embeddings()], reshard_after_forward=False)
         fully_shard(model)
+        result_head = type(causal.get_output_embeddings()).__name__
     context_parallel._DISABLED.clear()
     context_parallel._DISABLED.update(case["disabled"])
     T = case["ids"].shape[1]
@@ -122,6 +129,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         dist.all_gather_object(counts, dict(reused))
         result["reused"] = counts  # per rank
         if case.get("fsdp"):
+            result["head_type"] = result_head
             result["param_types"] = sorted({type(p).__name__ for p in model.parameters()})
     finally:
         context_parallel._received_once = _RECEIVED_ONCE

@@ -6,8 +6,9 @@ The rows cover one sequence split across the two ranks, a sequence that starts t
 edge (the conv halo is partly another sequence), boundaries inside each shard, one exactly at the edge and a
 one-token sequence there. The same run with the state relay (or the conv halo) turned off must differ. The
 same parity holds under HF gradient checkpointing (reentrant and not), with LoRA adapters, under FSDP2 on the
-same two ranks and with ``num_items_in_batch`` given. The attention of the local queries against the gathered
-keys (lower-right causal, no mask tensor on CUDA) is checked against a float64 oracle on its own.
+same two ranks (lm_head in the model's group, its own module, or accelerate's [final norm, lm_head] group: the
+fused loss runs in each) and with ``num_items_in_batch`` given. The attention of the local queries against the
+gathered keys (lower-right causal, no mask tensor on CUDA) is checked against a float64 oracle on its own.
 """
 
 from __future__ import annotations
@@ -58,15 +59,15 @@ def _cases(seed: int):
             cases["tiny, lora"] = {**base, "lora": True}
             cases["tiny, lora, checkpointing reentrant"] = {**base, "lora": True, "checkpointing": "reentrant",
                                                             "stock_path": False}
-            cases["tiny, fsdp2"] = {**base, "fsdp": True}
+            cases["tiny, fsdp2"] = {**base, "fsdp": "root"}
+            cases["tiny, fsdp2, [norm, lm_head] group"] = {**base, "fsdp": "tail"}  # accelerate's FSDP2
             cases["tiny, bf16 autocast"] = {**base, "autocast": True, "stock_path": False}
             # what a gradient-accumulation step of twice these targets passes (the same value on every rank)
             count = sum(len(s) - 1 for row in rows for s in row)  # the counted targets of these rows
             cases["tiny, num_items_in_batch"] = {**base, "num_items_in_batch": 2 * count, "stock_path": False}
         else:
-            cases["tiny-next, fsdp2, checkpointing non-reentrant"] = {**base, "fsdp": True,
-                                                                      "checkpointing": "non-reentrant",
-                                                                      "stock_path": False}
+            cases["tiny-next, fsdp2 (lm_head its own module), checkpointing non-reentrant"] = {
+                **base, "fsdp": "head", "checkpointing": "non-reentrant", "stock_path": False}
     return cases, rows_of
 
 
@@ -114,6 +115,7 @@ def test_two_ranks_equal_stock_per_sequence(tmp_path):
         assert got["reused"] == [{"halo": every, "state": 0}, {"halo": every, "state": every}], (name, got["reused"])
         if case.get("fsdp"):
             assert got["param_types"] == ["DTensor"], got["param_types"]  # really sharded
+            assert got["head_type"].startswith("FSDP") == (case["fsdp"] != "root"), (name, got["head_type"])
         want = {n: (None if g is None else g * scale) for n, g in ref_grads.items()}
         assert abs(got["loss"] - ref_loss * scale) <= RTOL * abs(ref_loss), (name, got["loss"], ref_loss * scale)
         assert_grads_close(got["grads"], want, rtol=RTOL)

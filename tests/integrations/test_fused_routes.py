@@ -218,6 +218,61 @@ def test_head_weight_rules():
     assert af.head_weight(torch.nn.Sequential(torch.nn.Linear(4, 6))) is None
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_fsdp2_head_rules():
+    """An FSDP2 module (torch swaps in the class ``FSDP<cls>`` and registers its state's forward hooks) with a plain
+    Linear underneath qualifies; one more hook, or another class underneath, does not. Built without a process
+    group: the class and hooks exactly as ``fully_shard`` makes them (tests/integrations/test_fsdp.py shards)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, _register_group_forward_hooks
+
+    def fsdp(module, group=False):
+        module.__class__ = type(f"FSDP{type(module).__name__}", (FSDPModule, type(module)), {})
+        state = FSDPState()
+        if group:  # fully_shard([norm, lm_head]), as accelerate shards the head
+            _register_group_forward_hooks([module], state._pre_forward, state._post_forward, set(),
+                                          state._cast_output_dtype)
+        else:
+            module.register_forward_pre_hook(state._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(state._post_forward)
+        return module
+
+    for group in (False, True):
+        head = fsdp(torch.nn.Linear(4, 6, bias=False), group)
+        assert af.fused_head(head) and af.head_weight(head) == (head.weight, None)
+        handle = head.register_forward_hook(lambda *a: None)
+        assert not af.fused_head(head)  # another hook besides FSDP's: stock path
+        handle.remove()
+        assert af.fused_head(head)
+        assert not af.fused_head(fsdp(torch.nn.Embedding(6, 4), group))
+    assert not af._hooked(torch.nn.Linear(4, 6), allow_fsdp=True)
+    plain = torch.nn.Linear(4, 6)
+    plain.register_forward_pre_hook(FSDPState()._pre_forward, with_kwargs=True)
+    assert not af.fused_head(plain)  # FSDP's hook on a module that is not an FSDP module: not recognised
+
+
+def test_head_weight_of_a_tensor_subclass_computes_stock_logits_and_loss(monkeypatch, spy):
+    """A head whose weight is a tensor subclass during its call (a DTensor under FSDP2 with tensor parallelism):
+    the head computes stock's logits inside the call and the stock loss follows: loss, logits and every gradient
+    as stock, for dict and tuple outputs and with the token accuracy."""
+    model = _model("tiny-moe", seed=9)
+    kwargs = _batch(model)
+    ref, ref_grads = _step(model, kwargs)
+    patching.apply(model)
+    monkeypatch.setattr(af, "_plain_tensor", lambda t: False)
+    out, got = _step(model, kwargs)
+    assert spy["fused_linear_cross_entropy"] == 0
+    assert rel_max(out.loss, ref.loss) < 1e-6 and rel_max(out.logits, ref.logits) < RTOL
+    assert out.aux_loss is not None and rel_max(out.aux_loss, ref.aux_loss) < 1e-6
+    assert_grads_close(got, ref_grads)
+    out = model(**kwargs, return_token_accuracy=True)
+    want = af.token_accuracy_from_logits(ref.logits, kwargs["labels"], None, -100)
+    assert out.token_accuracy == want and out.logits is not None
+    as_tuple = model(**kwargs, return_dict=False, skip_logits=True)  # stock's order: loss, aux_loss, logits, ...
+    assert len(as_tuple) == len(ref.to_tuple()) and rel_max(as_tuple[0], ref.loss) < 1e-6
+    assert rel_max(as_tuple[1], ref.aux_loss) < 1e-6 and rel_max(as_tuple[2], ref.logits) < RTOL
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_peft_lora_on_head_modules_and_experts(dropout, spy):
     """LoRA on lm_head, attention, GDN and MLP modules and (target_parameters, which PEFT allows only without

@@ -58,8 +58,10 @@ def test_combinations_not_served(no_model, monkeypatch, capsys, tmp_path):
              "--context-parallel 2 with --eval-data")
     cp_fails(monkeypatch, capsys, tmp_path, 2, ["--context-parallel", "2", "--torch_compile", "true"],
              "--context-parallel 2 with --torch_compile")
+    # with FSDP2 the fused loss runs inside lm_head's call (tests/integrations/test_context_parallel.py): the
+    # combination is served where FSDP is (GPUs); on CPU FSDP alone is refused
     cp_fails(monkeypatch, capsys, tmp_path, 2, ["--context-parallel", "2", "--fsdp", "full_shard"],
-             "--context-parallel 2 with --fsdp full_shard", "allowed: --context-parallel without --fsdp")
+             "--fsdp full_shard: FSDP needs GPUs")
     # several groups on CPU: gloo serves one only
     cp_fails(monkeypatch, capsys, tmp_path, 4, ["--context-parallel", "2"],
              "--context-parallel 2 with 4 processes on cpu", "allowed here: 2 processes")

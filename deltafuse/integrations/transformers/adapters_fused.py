@@ -131,34 +131,90 @@ def head_weight(head):
     cached). None for LoRA dropout, DoRA and other LoRA variants, LoRA bias, merged or disabled adapters,
     fan_in_fan_out, any other wrapper (``modules_to_save`` ...), and a head with hooks or an instance
     ``forward`` (accelerate offloading, tensor parallelism), whose weight may not be the one the head uses.
+
+    FSDP2: a head that is itself a ``fully_shard`` module (its only hooks FSDP's) qualifies (``fused_head``),
+    but its parameters are whole only during its own call: there the weight is this function's answer; outside
+    the call it would be built from the sharded parameters (``wrap_causal_lm_forward`` computes the loss inside
+    the head's call).
     """
-    if _hooked(head):
-        return None
-    if type(head) is torch.nn.Linear:
-        return head.weight, head.bias
+    return _effective_weight(head) if fused_head(head) else None
+
+
+def fused_head(head) -> bool:
+    """True when the fused loss computes ``head``'s logits exactly (the rules of ``head_weight``), judged from
+    its structure alone (no weight is built): a plain ``nn.Linear`` or plain LoRA around one, which may itself
+    be an FSDP2 module (``fully_shard``: a plain ``nn.Linear`` underneath, FSDP's own hooks only)."""
+    if _hooked(head, allow_fsdp=True):
+        return False
+    if _unsharded_type(head) is torch.nn.Linear:
+        return True
     base = getattr(head, "base_layer", None)
     if type(base) is not torch.nn.Linear or _hooked(base) or not hasattr(head, "get_delta_weight") \
             or not hasattr(head, "lora_A") or getattr(head, "merged", False) \
             or getattr(head, "disable_adapters", False) or getattr(head, "fan_in_fan_out", False):
-        return None
-    active = [a for a in head.active_adapters if a in head.lora_A]
-    for a in active:
+        return False
+    for a in _active_adapters(head):
         if type(head.lora_dropout[a]) is not torch.nn.Identity or getattr(head, "use_dora", {}).get(a) \
                 or getattr(head, "lora_bias", {}).get(a) or a in getattr(head, "lora_variant", {}) \
-                or type(head.lora_A[a]) is not torch.nn.Linear or type(head.lora_B[a]) is not torch.nn.Linear:
-            return None
+                or type(head.lora_A[a]) is not torch.nn.Linear or type(head.lora_B[a]) is not torch.nn.Linear \
+                or _hooked(head.lora_A[a]) or _hooked(head.lora_B[a]):
+            return False
+    return True
+
+
+def _active_adapters(head) -> list:
+    return [a for a in head.active_adapters if a in head.lora_A]
+
+
+def _effective_weight(head):
+    """(weight, bias) of a head ``fused_head`` accepts, built from its current parameters."""
+    base = getattr(head, "base_layer", None)
+    if base is None:
+        return head.weight, head.bias
     weight = base.weight
-    for a in active:
+    for a in _active_adapters(head):
         weight = weight + head.get_delta_weight(a).to(weight.dtype)
     return weight, base.bias
 
 
-def _hooked(module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
+def _head_rows(head) -> int:
+    """The head's output size (the vocabulary): the global one for FSDP2-sharded parameters."""
+    return getattr(head, "base_layer", head).weight.shape[0]
 
 
-def _identity(hidden_states):
-    return hidden_states
+@functools.lru_cache(maxsize=None)
+def _fsdp():
+    """(FSDPModule, the FSDPState hook functions) of torch's FSDP2, or None where torch has no FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return None
+    return FSDPModule, tuple(inspect.unwrap(f) for f in (FSDPState._pre_forward, FSDPState._post_forward))
+
+
+def _unsharded_type(module) -> type:
+    """The module's class, looking through the class FSDP2 swaps in (``FSDP<cls>``, bases (FSDPModule, cls))."""
+    cls, fsdp = type(module), _fsdp()
+    if fsdp is not None and isinstance(module, fsdp[0]) and len(cls.__bases__) == 2 and cls.__bases__[0] is fsdp[0]:
+        return cls.__bases__[1]
+    return cls
+
+
+def _hooked(module, allow_fsdp: bool = False) -> bool:
+    """The module has forward hooks or an instance ``forward`` (with ``allow_fsdp``: other than the forward
+    hooks of FSDP2 on an FSDP2 module, which gather its parameters around each call)."""
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    if "forward" in vars(module):
+        return True
+    fsdp = _fsdp() if allow_fsdp and hooks else None
+    if fsdp is not None and isinstance(module, fsdp[0]):
+        return not all(any(inspect.unwrap(hook) is f for f in fsdp[1]) for hook in hooks)
+    return bool(hooks)
+
+
+def _plain_tensor(t) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,13 +299,17 @@ def wrap_causal_lm_forward(original):
     """``*ForCausalLM.forward`` whose loss is ``ops.fused_linear_cross_entropy``: no [tokens, vocab] logits.
 
     The fused path runs when labels are given, gradients are on, ``logits_to_keep`` is 0, the model uses the
-    stock causal-LM loss and the head is a plain ``nn.Linear`` or a plain LoRA around one (``head_weight``).
-    It calls the stock forward with ``labels=None`` while the head is bypassed (an identity ``forward`` on
-    the head instance for this call only), so the "logits" it returns are the final hidden states; then
-    computes the loss with the stock keywords (``num_items_in_batch``, ``ignore_index``, ``shift_labels``)
-    and adds ``router_aux_loss_coef * aux_loss`` when the model returns a router aux loss, as stock does.
-    The output is the stock output class with ``logits=None``. The bypass lives on the head instance for the
-    duration of the call: two threads running the same model object at once are not supported.
+    stock causal-LM loss and the head is a plain ``nn.Linear`` or a plain LoRA around one, either of them
+    possibly an FSDP2 module (``fused_head``). It calls the stock forward with ``labels=None`` while the head
+    computes the loss instead of the logits (an instance ``forward`` on the head for this call only, taking the
+    stock keywords ``num_items_in_batch``, ``ignore_index``, ``shift_labels``), so the "logits" the stock
+    forward returns are the loss; then adds ``router_aux_loss_coef * aux_loss`` when the model returns a router
+    aux loss, as stock does. The output is the stock output class with ``logits=None``. Computing the loss
+    inside the head's call is what keeps FSDP2 exact and cheap: its hooks gather the weight once, as for
+    stock's call, and the loss's backward finds it gathered again. (A head whose weight is a tensor subclass
+    during its call, e.g. a DTensor under FSDP2 with tensor parallelism, computes stock's logits and loss.)
+    The instance ``forward`` lives on the head for the duration of the call: two threads running the same
+    model object at once are not supported.
 
     Keywords (Liger's protocol), removed before the stock forward runs:
 
@@ -296,13 +356,13 @@ def wrap_causal_lm_forward(original):
         return_dict = kwargs.get("return_dict")
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
-        weights = None
+        head = None
         if fused_loss_blocker(self, {**kwargs, "return_dict": return_dict}, skip) is None:
             head = self.get_output_embeddings()
-            weights = None if head is None else head_weight(head)
-            if weights is not None and weights[0].shape[0] != getattr(self.config, "vocab_size", None):
-                weights = None
-        if weights is None:  # the stock path
+            vocab = getattr(self.config, "vocab_size", None)
+            if head is not None and (not fused_head(head) or _head_rows(head) != vocab):
+                head = None
+        if head is None:  # the stock path
             if not accuracy:
                 return original(self, **kwargs)
             out = original(self, **{**kwargs, "return_dict": True})
@@ -310,26 +370,58 @@ def wrap_causal_lm_forward(original):
                                                              kwargs.get("shift_labels"),
                                                              kwargs.get("ignore_index", -100))
             return out if return_dict else _as_tuple(out, keep_logits_slot=False)
-        weight, bias = weights
         labels = kwargs.pop("labels")
         kwargs.pop("return_dict", None)
-        head.forward = _identity  # instance attribute: shadows the class forward for this call only
+        shift_labels = kwargs.get("shift_labels")
+        call = {}
+
+        def loss_forward(hidden):
+            """The head's forward for this call: the loss instead of the logits."""
+            if call:
+                raise RuntimeError(f"{type(self).__name__}.forward called its output embeddings twice; the fused "
+                                   "loss expects one call (deltafuse's causal-LM route does not serve this model)")
+            weight, bias = _effective_weight(head)
+            if not _plain_tensor(weight) or bias is not None and not _plain_tensor(bias):
+                # a tensor subclass (DTensor: FSDP2 with tensor parallelism, an embedding sharded elsewhere):
+                # the head computes its logits as stock does, and the stock loss follows
+                call["logits"] = True
+                return type(head).forward(head, hidden)
+            call["fused"] = True
+            loss = ops.fused_linear_cross_entropy(
+                hidden, weight, labels if shift_labels is None else shift_labels, bias=bias,
+                ignore_index=kwargs.get("ignore_index", -100),
+                num_items_in_batch=kwargs.get("num_items_in_batch"), shift=shift_labels is None,
+                return_token_accuracy=accuracy)
+            if accuracy:
+                loss, call["accuracy"] = loss
+            return loss
+
+        # The loss is computed inside the head's own call (an instance ``forward`` for this call only, shadowing
+        # the class forward), where the stock forward calls the head: hooks around the head see the call as
+        # stock's. FSDP2's gather the whole weight before it, reshard after it, gather again before the loss's
+        # backward (a hook on the call's output, the loss) and reduce-scatter the head's gradient after it (on
+        # the input, the hidden states); autograd saves only the head's own (re-gathered) parameters.
+        head.forward = loss_forward
         try:
             out = original(self, labels=None, return_dict=True, **kwargs)
         finally:
             vars(head).pop("forward", None)
-        hidden = out.logits
-        shift_labels = kwargs.get("shift_labels")
-        loss = ops.fused_linear_cross_entropy(
-            hidden, weight, labels if shift_labels is None else shift_labels, bias=bias,
-            ignore_index=kwargs.get("ignore_index", -100), num_items_in_batch=kwargs.get("num_items_in_batch"),
-            shift=shift_labels is None, return_token_accuracy=accuracy)
-        loss, acc = loss if accuracy else (loss, None)
+        if not call:
+            raise RuntimeError(f"{type(self).__name__}.forward did not call its output embeddings "
+                               f"({type(head).__name__}); deltafuse's causal-LM route does not serve this model")
+        if call.get("logits"):
+            logits = out.logits
+            extra = {k: v for k, v in kwargs.items() if k not in signature.parameters}
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **extra)
+            acc = token_accuracy_from_logits(logits, labels, shift_labels, kwargs.get("ignore_index", -100)) \
+                if accuracy else None
+        else:
+            logits, loss, acc = None, out.logits, call.get("accuracy")
         aux = getattr(out, "aux_loss", None)
         if aux is not None:
             loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
-        result = type(out)(loss=loss, **fields)
+        result = type(out)(loss=loss, logits=logits, **fields)
         if accuracy:
             result[ACCURACY_FIELD] = acc
         return result if return_dict else _as_tuple(result, keep_logits_slot=True)

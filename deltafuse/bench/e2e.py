@@ -276,6 +276,10 @@ def check_args(args) -> None:
                               "(use `deltafuse train` for one run)")
     if args.resume is not None:
         raise TrainInputError("bench e2e starts fresh runs; --resume is for `deltafuse train`")
+    if getattr(args, "context_parallel", 1) != 1:
+        raise TrainInputError(f"--context-parallel {args.context_parallel} with bench e2e: its stock (OFF) run has no "
+                              "exact context parallelism; allowed: 1 (benchmarks/context_parallel.py compares one "
+                              "GPU with --context-parallel 2)")
     if args.fla_lift_hopper_guard and not any("fla" in peers_mod.parts(p) for p in args.peers):
         raise TrainInputError("--fla-lift-hopper-guard applies to FLA runs; add fla or fla+liger to --peers "
                               f"(now: {','.join(args.peers) or 'none'})")

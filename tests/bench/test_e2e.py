@@ -87,6 +87,7 @@ def test_interval_arithmetic():
     (["--max-steps", "10"], "--max-steps 10 leaves no timed interval; allowed: --max-steps >= --interval x"),
     (["--deltafuse"], "bench e2e runs both OFF and ON; drop --deltafuse/--no-deltafuse"),
     (["--resume"], "--resume is for `deltafuse train`"),
+    (["--context-parallel", "2"], "--context-parallel 2 with bench e2e: its stock (OFF) run has no exact"),
     (["--model", "huge"], "known names: tiny"),
 ])
 def test_bench_e2e_bad_input(argv, needle, tmp_path, capsys):

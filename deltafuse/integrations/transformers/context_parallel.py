@@ -320,6 +320,14 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _refuse_unless_recomputing(layer) -> None:
+    """A layer's exchange seen a second time in one model call: only a recomputation may do that."""
+    if not _recomputing():
+        raise _refuse(f"{type(layer).__name__} (layer {getattr(layer, 'layer_idx', '?')}) ran twice in one model "
+                      "call outside a recomputation", "each layer once per call (gradient checkpointing recomputes "
+                      "it inside the backward)")
+
+
 def _received_once(shard: Shard, kind: str, layer, receive) -> torch.Tensor:
     """What ``receive()`` returns, received once per layer and model call: the first forward receives it (and
     keeps it, detached, on the Shard); a recomputation of the same layer under gradient checkpointing gets a copy
@@ -328,10 +336,7 @@ def _received_once(shard: Shard, kind: str, layer, receive) -> torch.Tensor:
     key = (kind, layer)
     kept = shard.received.get(key)
     if kept is not None:
-        if not _recomputing():
-            raise _refuse(f"{type(layer).__name__} (layer {getattr(layer, 'layer_idx', '?')}) ran twice in one "
-                          "model call outside a recomputation", "each layer once per call (gradient checkpointing "
-                          "recomputes it inside the backward)")
+        _refuse_unless_recomputing(layer)
         return kept.clone()
     if layer is None:
         raise RuntimeError(f"context-parallel {kind}: called outside a GDN layer's forward (no layer to key the "
@@ -345,9 +350,7 @@ def _sends_once(shard: Shard, kind: str, layer) -> bool:
     """Whether to send now: in the first forward of the layer, not in its recomputation."""
     key = (kind, layer)
     if key in shard.sent:
-        if not _recomputing():
-            raise _refuse(f"{type(layer).__name__} (layer {getattr(layer, 'layer_idx', '?')}) ran twice in one "
-                          "model call outside a recomputation", "each layer once per call")
+        _refuse_unless_recomputing(layer)
         return False
     shard.sent.add(key)
     return True
@@ -518,17 +521,14 @@ def _varlen(query, key, value, segments, scaling, cu_q):
     """All local sequences in one ``varlen_attn`` call (flash attention, CUDA, 16-bit): queries flattened on the
     B*L axis, keys the concatenated key ranges of the rows, causal (flash aligns it at the lower right when a
     sequence has more keys than queries). None when this torch or this call cannot use it."""
-    from deltafuse.ops.attention.packed import VARLEN_MAX_HEAD_DIM, varlen_api
+    from deltafuse.ops.attention.packed import VARLEN_MAX_HEAD_DIM, varlen_api, varlen_causal_call
 
     api = varlen_api()
     B, Hq, L, D = query.shape
-    Hk = key.shape[1]
     if (api is None or query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16)
             or D > VARLEN_MAX_HEAD_DIM or key.dtype != query.dtype or value.shape[-1] != D):
         return None
-    varlen_attn, (causal_kw, causal_value), takes_scale, takes_gqa = api
-    default_scale = scaling is None or scaling == D ** -0.5
-    if not takes_scale and not default_scale:
+    if not api[2] and not (scaling is None or scaling == D ** -0.5):  # a torch without scale=
         return None
     q = query.transpose(1, 2).reshape(B * L, Hq, D)
     spans = []  # per row, its consecutive key range
@@ -539,16 +539,9 @@ def _varlen(query, key, value, segments, scaling, cu_q):
     v = torch.cat([value[b, :, lo:hi].transpose(0, 1) for b, lo, hi in spans])
     lengths_k = [s[4] for s in segments]
     cu_k = torch.tensor([0] + lengths_k, dtype=torch.int64).cumsum(0).to(device=query.device, dtype=torch.int32)
-    kwargs = {causal_kw: causal_value}
-    if takes_scale and not default_scale:
-        kwargs["scale"] = scaling
-    if Hq != Hk:
-        if takes_gqa:
-            kwargs["enable_gqa"] = True
-        else:
-            k, v = _repeat_heads(k, Hq // Hk, 1), _repeat_heads(v, Hq // Hk, 1)
-    out = varlen_attn(q, k, v, cu_q.to(device=query.device, dtype=torch.int32), cu_k,
-                      max(s[2] for s in segments), max(lengths_k), **kwargs)
+    kwargs, k, v = varlen_causal_call(api, scaling, Hq, k, v)
+    out = api[0](q, k, v, cu_q.to(device=query.device, dtype=torch.int32), cu_k,
+                 max(s[2] for s in segments), max(lengths_k), **kwargs)
     return out.view(B, L, Hq, D)
 
 

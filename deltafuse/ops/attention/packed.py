@@ -84,6 +84,23 @@ def varlen_api():
 VARLEN_MAX_HEAD_DIM = 256
 
 
+def varlen_causal_call(api, scaling, query_heads: int, k: torch.Tensor, v: torch.Tensor):
+    """(keywords, k, v) of a causal ``varlen_attn`` call with ``api = varlen_api()`` on [tokens, heads, D] K/V:
+    causality in this torch's spelling, a non-default ``scaling`` as ``scale=``, and grouped K/V passed as they are
+    (``enable_gqa=True``) or, on a torch without it, their heads repeated to the query heads."""
+    _, (causal_kw, causal_value), takes_scale, takes_gqa = api
+    kwargs = {causal_kw: causal_value}
+    if takes_scale and not (scaling is None or scaling == k.shape[-1] ** -0.5):
+        kwargs["scale"] = scaling
+    group = query_heads // k.shape[1]
+    if group > 1:
+        if takes_gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return kwargs, k, v
+
+
 def causal_attention_varlen(query, key, value, offsets, scaling=None, dropout=0.0, cu_seqlens=None):
     """Same contract as ``causal_attention_by_sequence``, through torch's ``varlen_attn``. ``cu_seqlens``:
     the offsets as a device tensor (else built from ``offsets``). Calls it cannot serve (dropout, a head size
@@ -98,7 +115,6 @@ def causal_attention_varlen(query, key, value, offsets, scaling=None, dropout=0.
     missing = [b * T for b in range(1, B) if b * T not in starts]
     if missing:
         raise ValueError(f"row starts {missing[:4]} are not sequence starts (T={T}): rows must start sequences")
-    varlen_attn, (causal_kw, causal_value), takes_scale, takes_gqa = api
     if cu_seqlens is None:
         cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=query.device)
     cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
@@ -106,13 +122,6 @@ def causal_attention_varlen(query, key, value, offsets, scaling=None, dropout=0.
     q = query.transpose(1, 2).reshape(B * T, Hq, D)
     k = key.transpose(1, 2).reshape(B * T, Hk, D)
     v = value.transpose(1, 2).reshape(B * T, Hk, D)
-    kwargs = {causal_kw: causal_value}
-    if takes_scale and not default_scale:
-        kwargs["scale"] = scaling
-    if Hq != Hk:
-        if takes_gqa:
-            kwargs["enable_gqa"] = True
-        else:
-            k, v = k.repeat_interleave(Hq // Hk, dim=1), v.repeat_interleave(Hq // Hk, dim=1)
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
+    kwargs, k, v = varlen_causal_call(api, scaling, Hq, k, v)
+    out = api[0](q, k, v, cu, cu, longest, longest, **kwargs)
     return out.view(B, T, Hq, D)

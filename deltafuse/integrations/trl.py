@@ -23,17 +23,13 @@ import math
 import torch
 
 from deltafuse import ops
+from deltafuse.ops._checks import plain_tensor
 from deltafuse.integrations.transformers.patcher import FamilyMap, Route
 
 TRL_MODULE = "trl.trainer.utils"
 TRL_GLOBAL = "_ChunkedLogProbFunction"
 SERVED_OUTPUTS = ("log_probs", "entropy", "is_top1")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _is_plain_tensor(t) -> bool:
-    # DTensor (FSDP2) and other tensor subclasses go to TRL, which knows how to treat them
-    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
 def fallback_reason(hidden, weight, bias, targets, temperature, final_logit_softcapping, logit_scale,
@@ -51,8 +47,9 @@ def fallback_reason(hidden, weight, bias, targets, temperature, final_logit_soft
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
             not (math.isfinite(temperature) and temperature > 0):
         return f"temperature={temperature!r} is not a finite number > 0"
-    if not all(_is_plain_tensor(t) for t in (hidden, weight, targets)) or \
-            (bias is not None and not _is_plain_tensor(bias)):
+    # DTensor (FSDP2) and other tensor subclasses go to TRL, which knows how to treat them
+    if not all(plain_tensor(t) for t in (hidden, weight, targets)) or \
+            (bias is not None and not plain_tensor(bias)):
         return "a tensor subclass (e.g. DTensor) among the inputs"
     if any(hasattr(t, "ds_id") for t in (weight, bias) if t is not None):
         return "a DeepSpeed ZeRO-3 parameter (TRL gathers it again in its backward)"

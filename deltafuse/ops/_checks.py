@@ -54,6 +54,11 @@ def short_repr(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def plain_tensor(t) -> bool:
+    """A torch.Tensor or Parameter itself: DTensor (FSDP2, tensor parallelism) and other subclasses are not."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
 # --- argument kinds from annotations -----------------------------------------------------------------------
 _SYM_BOOL = tuple(t for t in (getattr(torch, "SymBool", None),) if t is not None)
 _SYM_NUM = tuple(t for t in (getattr(torch, "SymInt", None), getattr(torch, "SymFloat", None)) if t is not None)

@@ -29,6 +29,7 @@ import inspect
 import torch
 
 from deltafuse import ops
+from deltafuse.ops._checks import plain_tensor
 from deltafuse.integrations.transformers.packing import CONTEXT_PARALLEL_ATTR, PACKING_KWARG
 
 # Keywords a patched ``*ForCausalLM.forward`` takes (Liger's protocol, and deltafuse's older alias):
@@ -213,10 +214,6 @@ def _hooked(module, allow_fsdp: bool = False) -> bool:
     return bool(hooks)
 
 
-def _plain_tensor(t) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter)
-
-
 @functools.lru_cache(maxsize=None)
 def _stock_causal_lm_loss():
     try:
@@ -381,7 +378,7 @@ def wrap_causal_lm_forward(original):
                 raise RuntimeError(f"{type(self).__name__}.forward called its output embeddings twice; the fused "
                                    "loss expects one call (deltafuse's causal-LM route does not serve this model)")
             weight, bias = _effective_weight(head)
-            if not _plain_tensor(weight) or bias is not None and not _plain_tensor(bias):
+            if not plain_tensor(weight) or bias is not None and not plain_tensor(bias):
                 # a tensor subclass (DTensor: FSDP2 with tensor parallelism, an embedding sharded elsewhere):
                 # the head computes its logits as stock does, and the stock loss follows
                 call["logits"] = True

@@ -91,7 +91,7 @@ def causal_conv1d_fn_torch(
     if sid is None:
         # No boundaries (or nothing to convolve): the stock computation.
         if T == 0:  # F.conv1d refuses an empty time axis
-            out = x.new_zeros(B, C, 0, dtype=dtype)
+            out = x[..., :0].to(dtype)  # empty, and still an output of x's graph
         elif initial_states is None:
             out = F.conv1d(x.to(dtype), weight.unsqueeze(1), bias, padding=W - 1, groups=C)[..., :T]
         else:

@@ -143,7 +143,7 @@ class _Schedule:
             ids = torch.cat(tail_ids)
             final_pos[ids] = base + torch.arange(ids.numel())
             base += ids.numel()
-        if bool((lengths == 0).any()):
+        if n == 0 or bool((lengths == 0).any()):  # no sequence at all (B = 0), or empty ones
             sources.append("initial")
             untouched = torch.nonzero(lengths == 0).flatten()
             final_pos[untouched] = base + untouched
@@ -262,7 +262,7 @@ def _finish(outs, final, sched, flat, B, T, H, G, V, HV, K, out_dtype):
         slots = torch.cat([o.reshape(-1, H, G, V) for o in outs], 0) if len(outs) > 1 else outs[0]
         o = _rows(slots.reshape(-1, H, G, V), sched.slot_of_token)
     else:
-        o = flat[2].new_zeros(0, H, G, V)
+        o = flat[2][:0]  # no token: empty, and still an output of v's graph
     o = o.reshape(B, T, HV, V).to(out_dtype)
     return o, None if final is None else final.reshape(-1, HV, K, V)
 

@@ -275,11 +275,11 @@ class _MoeExperts(torch.autograd.Function):
 
 def run_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, make_mats):
     """The experts autograd Function with the grouped matmuls of ``make_mats()`` (an object with ``mm`` and
-    ``wgrad`` as ``_Matmuls`` has); a call that routes no token returns zeros still tied to the weights."""
+    ``wgrad`` as ``_Matmuls`` has); a call that routes no token returns zeros still tied to the inputs."""
     grad = torch.is_grad_enabled()
     needs = tuple(grad and t.requires_grad for t in (hidden, top_k_weights, gate_up_proj, down_proj))
     if top_k_index.numel() == 0:
-        anchor = sum((t.sum() * 0) for t in (top_k_weights, gate_up_proj, down_proj))
+        anchor = sum((t.sum() * 0) for t in (hidden, top_k_weights, gate_up_proj, down_proj))
         return torch.zeros_like(hidden) + anchor.to(hidden.dtype)
     return _MoeExperts.apply(hidden, top_k_weights, gate_up_proj, down_proj, top_k_index, make_mats(), needs)
 

@@ -178,3 +178,89 @@ def test_compiled_boundaries_equal_eager():
     with pytest.raises(pk.PackingError, match=r"run from 0 to B\*T"):
         compiled(torch.tensor([0, 4, 5, 11, 18, 21], dtype=torch.int32), pos)
     torch._dynamo.reset()
+
+
+def _export_as_stock_does(model, kwargs):
+    """torch.export of the patched ``model``; a skip when stock transformers cannot export it either."""
+    try:
+        return torch.export.export(model, (), kwargs).module()
+    except Exception:
+        deltafuse.revert()
+        try:
+            torch.export.export(model, (), kwargs)
+        except Exception as exc:
+            import transformers
+
+            pytest.skip(f"stock transformers {transformers.__version__} does not export this model either: "
+                        f"{type(exc).__name__}")
+        raise
+
+
+def _mask_inputs(model, seed, mrope):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :int(torch.randint(1, T // 2, (1,), generator=g))] = 0  # a left-padded row
+    pos = torch.arange(T)[None].expand(2, T)
+    if mrope:
+        pos = pos[None].expand(3, 2, T)
+    return dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+
+
+@pytest.mark.parametrize("mrope", [False, True], ids=["positions", "3xpositions"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if i == 0 else pytest.mark.slow)
+                                  for i, n in enumerate(TINY_NAMES)])
+def test_export_and_fullgraph_compile_with_a_mask_and_position_ids(name, mrope):
+    """What the vision-language classes always pass (they compute position_ids) and transformers' own
+    export tests pass: torch.export and torch.compile(fullgraph=True) trace the patched model, and the traced
+    graph equals stock for every value its inputs take (a padding mask; an all-ones mask with restarting
+    positions, read as stock reads it while tracing)."""
+    seed = int(torch.randint(0, 2**31, (1,)))
+    model = build_model(name, seed=seed)
+    if mrope and not pk._is_mrope(model.model):
+        pytest.skip(f"{name} has no multimodal RoPE")
+    padded = _mask_inputs(model, seed, mrope)
+    restarting = dict(padded, attention_mask=torch.ones(2, T, dtype=torch.long))
+    cut = T // 2
+    restarting["position_ids"] = torch.cat([torch.arange(cut), torch.arange(T - cut)]).expand_as(padded["position_ids"])
+    with torch.no_grad():
+        want = [model(**kw).logits for kw in (padded, restarting)]
+    deltafuse.apply(model)
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            exported = _export_as_stock_does(model, padded)
+            for kw, ref in zip((padded, restarting), want):
+                torch.testing.assert_close(exported(**kw).logits, ref, rtol=1e-5, atol=1e-5)
+            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+            for kw, ref in zip((padded, restarting), want):
+                torch.testing.assert_close(compiled(**kw).logits, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        deltafuse.revert()
+        torch._dynamo.reset()
+
+
+def test_export_vision_language_class_text_call():
+    """Qwen3_5ForConditionalGeneration computes [3, B, T] position_ids itself on every call: a text call with a
+    padding mask exports with deltafuse applied and equals stock."""
+    transformers = pytest.importorskip("transformers")
+    from deltafuse.integrations.transformers.tiny import TINY_GDN
+
+    config = transformers.Qwen3_5Config(
+        text_config=dict(TINY_GDN),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    kwargs = _mask_inputs(model.model.language_model, 0, mrope=False)
+    del kwargs["position_ids"]
+    with torch.no_grad():
+        want = model(**kwargs).logits
+    deltafuse.apply(model)
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.testing.assert_close(_export_as_stock_does(model, kwargs)(**kwargs).logits, want,
+                                       rtol=1e-5, atol=1e-5)
+    finally:
+        deltafuse.revert()
+        torch._dynamo.reset()

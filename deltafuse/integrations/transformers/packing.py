@@ -42,8 +42,11 @@ sequences: data-dependent) nor ``offsets``; the GDN adapter hands ``seq_idx`` to
 ``deltafuse::packed_gated_delta_rule``, which derives the offsets when the graph runs. A batch is then treated
 as packed whenever boundaries were looked for (a batch whose rows are its sequences gives the same results
 through the packed call). Explicit ``cu_seq_lens_q`` are checked and marked by ``deltafuse::packing_starts``
-when the graph runs. Two decisions need values and break the graph there, once per model call: an all-ones
-2-D ``attention_mask`` given with ``position_ids``, and [3, B, T] position_ids (equal rows or not).
+when the graph runs. Two readings need values and are made as stock makes them while tracing, so that a
+traced graph (``torch.compile(fullgraph=True)``, ``torch.export``) holds for every value its inputs may take:
+a 2-D ``attention_mask`` is a padding mask (position_ids given with it mark no boundaries, all ones or not),
+and [3, B, T] position_ids mark none (equal rows or not). Packed rows under tracing pass no mask, [B, T] or
+[4, B, T] position_ids, or ``cu_seq_lens_q`` / ``seq_idx``.
 """
 
 from __future__ import annotations
@@ -248,6 +251,8 @@ def text_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
         if pos.shape[0] == 4:
             return pos[0]
         if pos.shape[0] == 3:
+            if torch.compiler.is_compiling():  # equal rows or not is unknown while tracing: stock's reading
+                return None
             return pos[0] if bool((pos[1:] == pos[:1]).all()) else None
     return pos
 
@@ -424,7 +429,9 @@ def wrap_text_model_forward(original):
         if position_ids is None and not explicit:
             return original(self, *args, **kwargs)
         mask = _argument(signature, args, kwargs, "attention_mask")
-        mask_free = cache is None and (mask is None or _all_ones_mask(mask))
+        # while torch.compile / torch.export traces, a mask's values are unknown: a given mask is read as stock
+        # reads it (a padding mask, position_ids then mark no boundaries), the same for every value it may hold
+        mask_free = cache is None and (mask is None or (not torch.compiler.is_compiling() and _all_ones_mask(mask)))
         use_positions = position_ids if mask_free else None
         packing = packing_from_kwargs(kwargs, batch, length, use_positions)
         if packing is None:

@@ -255,6 +255,19 @@ def resolve_defaults(args) -> None:
         args.seq_len = 512 if str(args.model).startswith("tiny") and not os.path.isdir(args.model) else 4096
 
 
+# packed rows are cut into sequences by int32 offsets (``cu_seqlens``), as FLA's and torch's varlen kernels take them
+MAX_SEQ_LEN = 2**31 - 1
+
+
+def _check_seq_len(args) -> None:
+    """--seq-len is a length a row can have. Rows are only as wide as the data needs (``data.build_dataset``), so
+    any larger value is allowed and simply truncates nothing."""
+    if args.seq_len > MAX_SEQ_LEN:
+        raise TrainInputError(f"--seq-len {args.seq_len} is more than a row can hold; allowed: 2 to {MAX_SEQ_LEN:,} "
+                              "tokens (sequences are indexed with int32 offsets); rows are only as long as the "
+                              "longest packed row of the data, so a large value costs nothing")
+
+
 def train(args) -> dict:
     """Run one training as described by the parsed ``deltafuse train`` arguments; returns the summary.
 
@@ -304,6 +317,27 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     setup.check_model_arg(args.model, patched=enabled)
     if plan.resume_from is not None:
         _check_resume_compatible(args, plan)
+    _check_seq_len(args)
+    for path, flag in ((args.data, "--data"), (args.eval_data, "--eval-data")):
+        if path is not None:  # the file's rows are streamed below, once the cheap checks have passed
+            data_mod.check_file(path, flag)
+    device = setup.training_device()
+    dtype = setup.resolve_dtype(args.dtype, device)
+    cp_size = getattr(args, "context_parallel", 1)
+    _check_fsdp(args, device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cp.check_arguments(args, world=world, device=device, enabled=enabled, overrides=hfargs.trainer_overrides(args))
+    evaluating = args.eval_data is not None
+    targs = _training_arguments(args, device, dtype, evaluating=evaluating)
+    layout = None
+    if cp_size > 1:
+        _ = targs.device  # torch.distributed is initialised here (accelerate), then the groups are made
+        layout = cp.Layout(cp_size)
+
+    # the data, streamed row by row and truncated at tokenisation (a row costs what --seq-len keeps of it),
+    # before the model is built: a bad row is reported without waiting for the weights
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    tokenizer = setup.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     stats = data_mod.DataStats()
     if args.data is None:
         from deltafuse.train import gsm
@@ -312,38 +346,34 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         stats.source = f"embedded GSM8K-style generator ({args.num_examples} rows)"
         stats.rows_read = len(rows)
     else:
-        rows = data_mod.load_jsonl(args.data, skip_bad_rows=args.skip_bad_rows, stats=stats)
-    eval_rows = None
-    if args.eval_data is not None:
-        eval_rows = data_mod.load_jsonl(args.eval_data, skip_bad_rows=args.skip_bad_rows, flag="--eval-data")
-    device = setup.training_device()
-    dtype = setup.resolve_dtype(args.dtype, device)
-    cp_size = getattr(args, "context_parallel", 1)
-    _check_fsdp(args, device)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cp.check_arguments(args, world=world, device=device, enabled=enabled, overrides=hfargs.trainer_overrides(args))
-    targs = _training_arguments(args, device, dtype, evaluating=eval_rows is not None)
-    layout = None
-    if cp_size > 1:
-        _ = targs.device  # torch.distributed is initialised here (accelerate), then the groups are made
-        layout = cp.Layout(cp_size)
+        rows = data_mod.iter_jsonl(args.data, skip_bad_rows=args.skip_bad_rows, stats=stats,
+                                   progress=progress and main)
+    examples = data_mod.encode_rows(tokenizer, rows, args.seq_len, stats)
+    del rows
+    eval_examples = None
+    if evaluating:
+        eval_stats = data_mod.DataStats(source=args.eval_data)
+        eval_examples = data_mod.encode_rows(
+            tokenizer, data_mod.iter_jsonl(args.eval_data, skip_bad_rows=args.skip_bad_rows, stats=eval_stats,
+                                           flag="--eval-data", progress=progress and main),
+            args.seq_len, eval_stats)
 
     from transformers import set_seed
 
     set_seed(args.seed)
     model, tokenizer, described = setup.load_model_and_tokenizer(
-        args.model, dtype=dtype, device=device, seed=args.seed, trust_remote_code=args.trust_remote_code)
+        args.model, dtype=dtype, device=device, seed=args.seed, trust_remote_code=args.trust_remote_code,
+        tokenizer=tokenizer)
     vocab = model.get_input_embeddings().weight.shape[0]
-    examples = data_mod.encode_rows(tokenizer, rows, args.seq_len, stats, vocab_size=vocab)
+    data_mod.check_vocabulary(examples, vocab)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     dataset, collator = data_mod.build_dataset(examples, args.seq_len, args.packing, pad_id)
     if layout is not None:
         cp.check_model(model, cp_size)
         collator = cp.ShardCollator(collator, cp_size, layout.rank, pad_id, min_shard=cp.min_shard_tokens(model))
     eval_dataset = None
-    if eval_rows is not None:
-        eval_stats = data_mod.DataStats(source=args.eval_data)
-        eval_examples = data_mod.encode_rows(tokenizer, eval_rows, args.seq_len, eval_stats, vocab_size=vocab)
+    if eval_examples is not None:
+        data_mod.check_vocabulary(eval_examples, vocab)
         eval_dataset, _ = data_mod.build_dataset(eval_examples, args.seq_len, args.packing, pad_id)
 
     model.config.use_cache = False
@@ -354,7 +384,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
             if getattr(model, "generation_config", None) is not None:
                 setattr(model.generation_config, key, value)
     if targs.fsdp:  # FSDP wraps the decoder layers this model has (its _no_split_modules name absent ones too)
-        targs = _training_arguments(args, device, dtype, evaluating=eval_rows is not None,
+        targs = _training_arguments(args, device, dtype, evaluating=evaluating,
                                     fsdp_layers=decoder_layer_classes(model))
     patch_info = apply_deltafuse(model, enabled, stack, context_parallel=layout.group if layout else None)
     moe = bool(setup.expert_parameters(model))  # before PEFT renames the expert parameters
@@ -401,7 +431,6 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         targs.ddp_find_unused_parameters = moe and (full or args.lora_experts)
     Logger = _make_callback()
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    progress = sys.stderr.isatty() if args.progress is None else args.progress
     logger = Logger(device=device, log_every=args.log_every, metrics_path=metrics_path, progress=progress,
                     max_steps=args.max_steps, history=plan.history)
     try:

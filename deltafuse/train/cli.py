@@ -162,10 +162,21 @@ def _report_on_stdout():
         logger.propagate = saved[1]
 
 
+def _ignore_signals_while_exiting() -> None:
+    """The run has stopped and said so: a further Ctrl-C or SIGTERM must not turn the exit into a traceback."""
+    import signal
+
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to change
+        pass
+
+
 def run(args) -> int:
     """Train; bad input prints one line naming the argument/file and what is allowed, and returns 2.
 
-    Ctrl-C prints one line saying what was kept (see ``trainer.Interrupted``) and returns 130.
+    Ctrl-C prints one line saying what was kept (see ``trainer.Interrupted``) and returns 130 (143 for SIGTERM).
     """
     from deltafuse.config import SettingsError
 
@@ -178,8 +189,9 @@ def run(args) -> int:
         print(f"deltafuse train: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
+        _ignore_signals_while_exiting()
         print(f"deltafuse train: interrupted{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
-        return 130
+        return getattr(exc, "exit_code", 130)  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
     return 0
 
 

@@ -272,6 +272,8 @@ def train(args) -> dict:
     """Run one training as described by the parsed ``deltafuse train`` arguments; returns the summary.
 
     What deltafuse patched for the run is reverted when it ends, so a caller's process is left as it was.
+    SIGINT/SIGTERM while it trains: the current step finishes, a resumable checkpoint-N is saved, and
+    ``Interrupted`` says where and how to continue (see ``StopOnSignal``).
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
@@ -282,24 +284,208 @@ def train(args) -> dict:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a run; the message says what was kept."""
+    """Ctrl-C (or SIGTERM) during a run; the message says what was kept. ``exit_code``: 128 + the signal."""
+
+    def __init__(self, message: str = "", exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Signalled(KeyboardInterrupt):
+    """SIGINT or SIGTERM outside the training loop (loading, building): the run stops where it is."""
+
+    def __init__(self, signum: int):
+        super().__init__("")
+        self.signum, self.exit_code = signum, 128 + signum
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    return {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}.get(signum, f"signal {signum}")
+
+
+def _note(line: str) -> None:
+    """A line on stdout from a signal handler (os.write: no buffered stream is re-entered)."""
+    try:
+        os.write(sys.stdout.fileno(), (line + "\n").encode())
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture): the stream then
+        try:
+            sys.stdout.write(line + "\n")
+        except Exception:  # noqa: BLE001 - a signal handler must not raise for a report line
+            pass
+
+
+def _make_stopper():
+    from transformers import TrainerCallback
+
+    class StopOnSignal(TrainerCallback):
+        """SIGINT/SIGTERM during training: finish the step, have the Trainer save its own checkpoint-N (exactly
+        resumable by --resume) and stop. Further signals are ignored until the run has exited (a second Ctrl-C
+        cannot cut the save short). Outside the training loop a signal stops the run at once (``Signalled``).
+
+        In a launch of several processes every rank gets the terminal's Ctrl-C, not necessarily between the same
+        steps: the ranks agree (one max all-reduce of a flag per step) so they all stop after the same step.
+        """
+
+        def __init__(self, world: int = 1, main: bool = True):
+            self.world, self.main = world, main
+            self.signum = None  # the signal that stops the run
+            self.armed = False  # inside the training loop: defer
+            self.stopped_at = None  # the step after which the run stopped for a signal
+            self.saved = None  # the checkpoint saved then
+            self.ignored = 0
+            self.stopping = False  # a first signal came: the ones after it are ignored
+
+        # --- the handler ------------------------------------------------------------------------------
+        def handle(self, signum, frame):
+            if self.stopping:
+                self.ignored += 1
+                if self.main and self.ignored == 1:
+                    what = "the checkpoint is being saved" if self.signum is not None else "the run is stopping"
+                    _note(f"deltafuse train: {_signal_name(signum)} again: ignored; {what}, the run exits as soon "
+                          "as it is done")
+                return
+            self.stopping = True
+            if not self.armed:
+                raise Signalled(signum)
+            self.signum = signum
+            if self.main:
+                _note(f"deltafuse train: {_signal_name(signum)}: finishing the current step, then saving a "
+                      "checkpoint and exiting (another Ctrl-C is ignored until the checkpoint is written)")
+
+        @contextlib.contextmanager
+        def installed(self):
+            """The handler for SIGINT and SIGTERM while the body runs (main thread only), the old ones after."""
+            import signal
+            import threading
+
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in previous.items():
+                    signal.signal(s, h)
+
+        # --- the Trainer's events ---------------------------------------------------------------------
+        def on_train_begin(self, args, state, control, **kw):
+            self.armed = True
+
+        def _agreed(self, args) -> bool:
+            stop = self.signum is not None
+            if self.world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+                flag = torch.tensor([int(stop)], device=args.device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+                stop = bool(flag.item())
+                if stop and self.signum is None:  # another rank was signalled: this one stops with it
+                    import signal
+
+                    self.signum = signal.SIGINT
+            return stop
+
+        def on_step_end(self, args, state, control, **kw):
+            if self._agreed(args) and self.stopped_at is None:
+                self.stopped_at = state.global_step
+                control.should_save = True
+                control.should_training_stop = True
+
+        def on_save(self, args, state, control, **kw):
+            if self.stopped_at is not None and state.global_step == self.stopped_at:
+                self.saved = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+
+        def on_train_end(self, args, state, control, **kw):
+            self.armed = False
+
+    return StopOnSignal
+
+
+def _stopped_by_signal(args, stopper, plan: OutputPlan, world: int) -> Interrupted:
+    """The one line of a run stopped by a signal after saving its checkpoint (kept, also under --overwrite)."""
+    from deltafuse.train.outdir import ASIDE
+
+    step = stopper.stopped_at
+    found = checkpoints(args.output_dir)
+    ckpt = stopper.saved or (found[-1][1] if found else None)
+    text = f"{_signal_name(stopper.signum)} after step {step} of {args.max_steps}: saved checkpoint {ckpt}"
+    if plan.replace or plan.aside_left:
+        text += (f"; the run --overwrite replaces is kept in {os.path.join(args.output_dir, ASIDE)} until this "
+                 "one finishes")
+    if stopper.ignored:
+        text += f"; {stopper.ignored} more signal(s) ignored while saving"
+    text += f"; continue with: {continue_command(args.output_dir, world)}"
+    exc = Interrupted(text, exit_code=128 + stopper.signum)
+    exc.keep_new_run = True
+    return exc
+
+
+def continue_command(output_dir: str, world: int = 1, argv: list[str] | None = None) -> str:
+    """The command line that continues this run: the one given, without --overwrite/--resume, with
+    ``--resume latest`` and --output-dir."""
+    import shlex
+    import shutil
+
+    argv = list(sys.argv if argv is None else argv)
+    prog, rest = (argv[0] if argv else ""), argv[1:]
+    parts = os.path.normpath(os.path.abspath(prog)).split(os.sep) if prog else []
+    py = os.path.basename(sys.executable)
+    py = py if shutil.which(py) == sys.executable else sys.executable
+    if parts[-2:] == ["deltafuse", "__main__.py"]:
+        head = [py, "-m", "deltafuse"]
+    elif parts[-3:] == ["deltafuse", "train", "__main__.py"]:
+        head = [py, "-m", "deltafuse.train"]
+    elif os.path.basename(prog) == "deltafuse":
+        head = ["deltafuse" if shutil.which("deltafuse") == os.path.abspath(prog) else prog]
+    else:  # called as a library: the arguments are not this process's command line
+        head, rest = ["deltafuse", "train", "..."], []
+    kept, skip = [], False
+    for i, tok in enumerate(rest):
+        if skip:
+            skip = False
+            continue
+        name = tok.split("=", 1)[0]
+        if len(name) > 4 and "--overwrite".startswith(name):
+            continue
+        if len(name) > 4 and "--resume".startswith(name):
+            skip = "=" not in tok and i + 1 < len(rest) and not rest[i + 1].startswith("-")
+            continue
+        kept.append(tok)
+    if not any(t.split("=", 1)[0] in ("--output-dir", "--output_dir") for t in kept):
+        kept += ["--output-dir", output_dir]
+    line = shlex.join(head + kept + ["--resume", "latest"])
+    if world > 1:
+        return f"the same launch (torchrun/accelerate, {world} processes) of {line.split(' -m ', 1)[-1]}"
+    return line
 
 
 @contextlib.contextmanager
 def _say_what_was_kept(output_dir: str, replacing_a_run: bool):
-    """Turn Ctrl-C into ``Interrupted`` saying what --output-dir holds now (entered before ``replacing``)."""
+    """Turn Ctrl-C into ``Interrupted`` saying what --output-dir holds now (entered before ``replacing``).
+
+    A run stopped before its first checkpoint leaves nothing to resume: what it wrote (its arguments, an
+    empty metrics file) is removed, so --output-dir is as it was and the same command runs again."""
     try:
         yield
     except KeyboardInterrupt as exc:
         if isinstance(exc, Interrupted):
             raise
+        code = getattr(exc, "exit_code", 130)
         if replacing_a_run:
             kept = f"the previous run in {output_dir!r} is restored as it was; this run's partial output was removed"
         else:
             found = checkpoints(output_dir)
-            kept = (f"checkpoints so far are in {output_dir!r} (latest {found[-1][1]}); --resume continues"
-                    if found else f"no checkpoint was saved in {output_dir!r}")
-        raise Interrupted(kept) from exc
+            if found:
+                kept = (f"checkpoints so far are in {output_dir!r} (latest {found[-1][1]}); continue with: "
+                        f"{continue_command(output_dir)}")
+            else:
+                from deltafuse.train.outdir import remove_partial_run
+
+                remove_partial_run(output_dir)
+                kept = (f"stopped before the first step: nothing was saved in {output_dir!r}; run the same "
+                        "command again")
+        raise Interrupted(kept, exit_code=code) from exc
 
 
 def _train(args, stack: contextlib.ExitStack) -> dict:
@@ -337,6 +523,9 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     # the data, streamed row by row and truncated at tokenisation (a row costs what --seq-len keeps of it),
     # before the model is built: a bad row is reported without waiting for the weights
     progress = sys.stderr.isatty() if args.progress is None else args.progress
+    # from here on SIGTERM stops the run as Ctrl-C does (exit 143), and inside the training loop both save first
+    stopper = _make_stopper()(world=world, main=main)
+    stack.enter_context(stopper.installed())
     tokenizer = setup.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     stats = data_mod.DataStats()
     if args.data is None:
@@ -435,7 +624,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
                     max_steps=args.max_steps, history=plan.history)
     try:
         trainer = Trainer(model=model, args=targs, train_dataset=dataset, eval_dataset=eval_dataset,
-                          data_collator=collator, processing_class=tokenizer, callbacks=[logger])
+                          data_collator=collator, processing_class=tokenizer, callbacks=[logger, stopper])
     except (ValueError, RuntimeError) as exc:  # a setting the Trainer cannot run here (e.g. --fsdp without a
         # launcher: a ValueError from transformers >= 5.10, accelerate's RuntimeError "no available devices" before)
         given = " ".join(" ".join(v) for v in hfargs.given(args))
@@ -446,6 +635,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     # the first write: a previous run that --overwrite replaces is set aside now, deleted once this run has
     # finished, and put back if it fails or is interrupted
     os.makedirs(args.output_dir, exist_ok=True)
+    resume_from = plan.resume_from
     stack.enter_context(_say_what_was_kept(args.output_dir, bool(plan.replace)))
     stack.enter_context(replacing(args.output_dir, plan.replace))
     if plan.replace:
@@ -454,13 +644,18 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     if targs.process_index == 0:
         with open(os.path.join(args.output_dir, "train_args.json"), "w") as fh:
             json.dump(vars(args), fh, indent=2, default=str)
-    resume_from = plan.resume_from
     if resume_from is not None:
+        if plan.skipped:
+            _say(f"resume: skipping {', '.join(plan.skipped)} (no trainer_state.json: a save that was cut off)")
         _say(f"resuming from {resume_from}" + ("" if plan.in_place else f" (history: {len(plan.history)} step "
                                                                           f"records of {plan.source_run})"))
     t0 = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume_from)
     elapsed = time.perf_counter() - t0
+    if stopper.stopped_at is not None:
+        if trainer.state.global_step < args.max_steps:
+            raise _stopped_by_signal(args, stopper, plan, world)
+        _say(f"{_signal_name(stopper.signum)} came during the last step: the run is finishing")
 
     final_eval = trainer.evaluate() if eval_dataset is not None else None
     final_dir = os.path.join(args.output_dir, "final")
@@ -499,6 +694,14 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
             json.dump(summary, fh, indent=2, default=str)
         for line in stats.summary_lines(args.seq_len)[1:]:
             _say(line)
+        if plan.aside_left:  # the overwrite this run continued is complete now
+            import shutil
+
+            from deltafuse.train.outdir import ASIDE
+
+            shutil.rmtree(os.path.join(args.output_dir, ASIDE))
+            _say(f"output: the run that --overwrite replaced ({os.path.join(args.output_dir, ASIDE)}) is deleted "
+                 "now that this one has finished")
         _say(f"done: {len(records)} steps in {elapsed:.1f} s; saved {'model' if full else 'adapter'} to "
              f"{final_dir}; resumable checkpoint {summary['checkpoints'][-1] if summary['checkpoints'] else '-'}")
     return summary

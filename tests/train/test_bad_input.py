@@ -88,7 +88,8 @@ def test_existing_output_dir_is_refused_and_kept(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    fails(["--output-dir", str(out)], capsys, "exists and is not empty", "--overwrite", "--resume")
+    line = fails(["--output-dir", str(out)], capsys, "exists and is not empty (precious.txt)", "--overwrite")
+    assert "--resume" not in line  # nothing there to resume
     assert (out / "precious.txt").read_text() == "keep me"
     fails(["--output-dir", str(out), "--resume"], capsys, "has no checkpoint-N folder to resume from")
     fails(["--output-dir", str(out), "--resume", "--overwrite"], capsys, "contradict")

@@ -31,6 +31,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: minutes >= 0 (0: off)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: a finite number of minutes >= 0 (0: off)")
+    return value
+
+
 def _names(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
@@ -115,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="continue from the latest checkpoint in --output-dir, or from the given checkpoint dir")
     g.add_argument("--save-every", metavar="N", type=_int_at_least(1), default=None,
                    help="save a resumable checkpoint every N steps (default: at the end only)")
+    g.add_argument("--save-minutes", metavar="M", type=_minutes, default=30.0,
+                   help="also save a resumable checkpoint after a step once M minutes of training have passed since "
+                        "the last save, so a killed run loses at most M minutes (default: 30; 0: off). Ctrl-C and "
+                        "SIGTERM always save the step they interrupt")
     g.add_argument("--save-total-limit", metavar="N", type=_int_at_least(1), default=2,
                    help="checkpoints kept (default: 2)")
     g.add_argument("--log-every", metavar="N", type=_int_at_least(1), default=10,

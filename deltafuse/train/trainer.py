@@ -324,12 +324,19 @@ def _make_stopper():
         resumable by --resume) and stop. Further signals are ignored until the run has exited (a second Ctrl-C
         cannot cut the save short). Outside the training loop a signal stops the run at once (``Signalled``).
 
+        With ``save_minutes``, also a checkpoint after the first step that ends that long after the last save (a
+        run killed without a chance to save, e.g. by the OOM killer, then loses at most that much).
+
         In a launch of several processes every rank gets the terminal's Ctrl-C, not necessarily between the same
-        steps: the ranks agree (one max all-reduce of a flag per step) so they all stop after the same step.
+        steps, and the ranks' clocks differ: the ranks agree (one max all-reduce of two flags per step) so they
+        all save and stop after the same step.
         """
 
-        def __init__(self, world: int = 1, main: bool = True):
+        def __init__(self, world: int = 1, main: bool = True, save_minutes: float = 0.0):
             self.world, self.main = world, main
+            self.save_after_s = save_minutes * 60 if save_minutes else None
+            self.last_save = time.monotonic()
+            self.timed_saves = 0
             self.signum = None  # the signal that stops the run
             self.armed = False  # inside the training loop: defer
             self.stopped_at = None  # the step after which the run stopped for a signal
@@ -373,26 +380,34 @@ def _make_stopper():
         # --- the Trainer's events ---------------------------------------------------------------------
         def on_train_begin(self, args, state, control, **kw):
             self.armed = True
+            self.last_save = time.monotonic()
 
-        def _agreed(self, args) -> bool:
+        def _agreed(self, args) -> tuple[bool, bool]:
+            """(stop, save): a signal came / the save interval has passed, on any rank."""
             stop = self.signum is not None
+            due = self.save_after_s is not None and time.monotonic() - self.last_save >= self.save_after_s
             if self.world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-                flag = torch.tensor([int(stop)], device=args.device)
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-                stop = bool(flag.item())
+                flags = torch.tensor([int(stop), int(due)], device=args.device)
+                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+                stop, due = (bool(v) for v in flags.tolist())
                 if stop and self.signum is None:  # another rank was signalled: this one stops with it
                     import signal
 
                     self.signum = signal.SIGINT
-            return stop
+            return stop, due
 
         def on_step_end(self, args, state, control, **kw):
-            if self._agreed(args) and self.stopped_at is None:
+            stop, due = self._agreed(args)
+            if stop and self.stopped_at is None:
                 self.stopped_at = state.global_step
                 control.should_save = True
                 control.should_training_stop = True
+            elif due and not control.should_save:
+                control.should_save = True
+                self.timed_saves += 1
 
         def on_save(self, args, state, control, **kw):
+            self.last_save = time.monotonic()
             if self.stopped_at is not None and state.global_step == self.stopped_at:
                 self.saved = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
 
@@ -524,7 +539,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     # before the model is built: a bad row is reported without waiting for the weights
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     # from here on SIGTERM stops the run as Ctrl-C does (exit 143), and inside the training loop both save first
-    stopper = _make_stopper()(world=world, main=main)
+    stopper = _make_stopper()(world=world, main=main, save_minutes=getattr(args, "save_minutes", 0.0))
     stack.enter_context(stopper.installed())
     tokenizer = setup.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     stats = data_mod.DataStats()
@@ -687,6 +702,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         "resumed_from": resume_from, "final_dir": final_dir, "trainer_overrides": hfargs.trainer_overrides(args),
         "eval": logger.evals, "final_eval": final_eval,
         "checkpoints": [p for _, p in checkpoints(args.output_dir)],
+        "save_minutes": getattr(args, "save_minutes", 0.0), "timed_saves": stopper.timed_saves,
         "stack": stack_info(device), "metrics": metrics_path,
     }
     if trainer.is_world_process_zero():

@@ -271,3 +271,43 @@ def test_the_continue_command_is_the_given_one_with_resume_latest():
         f"{shlex.quote(py)} -m deltafuse.train --lr 1e-3 --output-dir runs/train --resume latest"
     assert cc("my run", argv=["/usr/local/bin/deltafuse", "train", "--resume", "--output-dir=my run"]) == \
         "/usr/local/bin/deltafuse train '--output-dir=my run' --resume latest"
+
+
+def test_a_killed_run_resumes_from_its_last_timed_checkpoint(tmp_path, straight):
+    """SIGKILL gives no chance to save: --save-minutes (default 30) has saved along the way; here every ~2 s."""
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "deltafuse", "train", *RUN, "--save-minutes", "0.0005",
+                             "--output-dir", out], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.isfile(metrics) and open(metrics).read().count("\n") >= 3:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.kill()
+    proc.wait(timeout=60)
+    saved = outdir.checkpoints(out)
+    assert saved and saved[-1][0] >= 2, os.listdir(out)  # a checkpoint after (nearly) every step
+    assert main([*RUN, "--output-dir", out, "--resume", "latest"]) == 0
+    got = records(out)
+    assert [r["step"] for r in got] == list(range(1, 31))
+    for a, b in zip(got, straight):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+
+
+def test_timed_saves_are_off_with_zero_and_not_taken_in_a_short_run(tmp_path):
+    for minutes, want in (("0", 0), ("30", 0)):
+        out = str(tmp_path / f"m{minutes}")
+        assert main(["--max-steps", "3", "--save-minutes", minutes, "--output-dir", out, *TINY]) == 0
+        with open(os.path.join(out, "summary.json")) as fh:
+            s = json.load(fh)
+        assert s["timed_saves"] == want and [os.path.basename(p) for p in s["checkpoints"]] == ["checkpoint-3"]
+    out = str(tmp_path / "often")
+    assert main(["--max-steps", "3", "--save-minutes", "1e-9", "--save-total-limit", "5", "--output-dir", out,
+                 *TINY]) == 0
+    with open(os.path.join(out, "summary.json")) as fh:
+        s = json.load(fh)
+    assert [os.path.basename(p) for p in s["checkpoints"]] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert s["timed_saves"] == 2  # steps 1 and 2; step 3 is the end's own save

@@ -343,6 +343,7 @@ def _make_stopper():
             self.saved = None  # the checkpoint saved then
             self.ignored = 0
             self.stopping = False  # a first signal came: the ones after it are ignored
+            self.final = False  # writing the final output
 
         # --- the handler ------------------------------------------------------------------------------
         def handle(self, signum, frame):
@@ -357,9 +358,21 @@ def _make_stopper():
             if not self.armed:
                 raise Signalled(signum)
             self.signum = signum
-            if self.main:
+            if self.main and self.final:
+                _note(f"deltafuse train: {_signal_name(signum)}: training is done; writing final/ and summary.json "
+                      "first (another Ctrl-C is ignored until they are written)")
+            elif self.main:
                 _note(f"deltafuse train: {_signal_name(signum)}: finishing the current step, then saving a "
                       "checkpoint and exiting (another Ctrl-C is ignored until the checkpoint is written)")
+
+        @contextlib.contextmanager
+        def finishing(self):
+            """Signals wait while the body writes the run's final output (final/, summary.json stay whole)."""
+            self.armed = self.final = True
+            try:
+                yield
+            finally:
+                self.armed = False
 
         @contextlib.contextmanager
         def installed(self):
@@ -476,7 +489,7 @@ def continue_command(output_dir: str, world: int = 1, argv: list[str] | None = N
 
 
 @contextlib.contextmanager
-def _say_what_was_kept(output_dir: str, replacing_a_run: bool):
+def _say_what_was_kept(output_dir: str, replacing_a_run: bool, max_steps: int | None = None):
     """Turn Ctrl-C into ``Interrupted`` saying what --output-dir holds now (entered before ``replacing``).
 
     A run stopped before its first checkpoint leaves nothing to resume: what it wrote (its arguments, an
@@ -491,7 +504,10 @@ def _say_what_was_kept(output_dir: str, replacing_a_run: bool):
             kept = f"the previous run in {output_dir!r} is restored as it was; this run's partial output was removed"
         else:
             found = checkpoints(output_dir)
-            if found:
+            if found and max_steps is not None and found[-1][0] >= max_steps:  # in the final evaluation
+                kept = (f"training had reached --max-steps {max_steps}: {found[-1][1]} holds the trained weights; "
+                        "final/ and summary.json were not written")
+            elif found:
                 kept = (f"checkpoints so far are in {output_dir!r} (latest {found[-1][1]}); continue with: "
                         f"{continue_command(output_dir)}")
             else:
@@ -651,7 +667,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
     # finished, and put back if it fails or is interrupted
     os.makedirs(args.output_dir, exist_ok=True)
     resume_from = plan.resume_from
-    stack.enter_context(_say_what_was_kept(args.output_dir, bool(plan.replace)))
+    stack.enter_context(_say_what_was_kept(args.output_dir, bool(plan.replace), args.max_steps))
     stack.enter_context(replacing(args.output_dir, plan.replace))
     if plan.replace:
         _say(f"output: the previous run in {args.output_dir} ({len(plan.replace)} entries) is set aside until "
@@ -673,53 +689,57 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         _say(f"{_signal_name(stopper.signum)} came during the last step: the run is finishing")
 
     final_eval = trainer.evaluate() if eval_dataset is not None else None
-    final_dir = os.path.join(args.output_dir, "final")
-    trainer.save_model(final_dir)
-    if trainer.is_world_process_zero():
-        tokenizer.save_pretrained(final_dir)
-    records = read_metrics(metrics_path)
-    mem, mem_kind = peak_memory(device)
-    mem_per_rank = [mem]
-    if world > 1 and torch.distributed.is_initialized():
-        mem_per_rank = [None] * world
-        torch.distributed.all_gather_object(mem_per_rank, mem)
-    summary = {
-        "model": args.model, "model_description": described, "mode": args.mode,
-        "dtype": str(dtype).replace("torch.", ""),
-        "deltafuse": patch_info, "packing": args.packing, "seq_len": args.seq_len, "batch_size": args.batch_size,
-        "world_size": world, "distributed_type": str(trainer.accelerator.distributed_type),
-        "wrapped_model": type(trainer.model_wrapped).__name__,
-        "fsdp_config": dict(targs.fsdp_config) if targs.fsdp else None, "max_steps": args.max_steps, "lr": lr,
-        "seed": args.seed,
-        "gradient_checkpointing": args.gradient_checkpointing, "trainable_parameters": trainable,
-        "total_parameters": total, "data": asdict(stats), "steps_run": len(records),
-        "final_loss": records[-1]["loss"] if records else None, "train_runtime_s": elapsed,
-        "train_loss": result.training_loss, "peak_mem_bytes": mem, "peak_mem_kind": mem_kind,
-        "peak_mem_bytes_per_rank": mem_per_rank,
-        "context_parallel": None if layout is None else {
-            "size": cp_size, "data_parallel_size": layout.replicas,
-            "first_step_shards": getattr(trainer, "first_step_shards", None)},
-        "resumed_from": resume_from, "final_dir": final_dir, "trainer_overrides": hfargs.trainer_overrides(args),
-        "eval": logger.evals, "final_eval": final_eval,
-        "checkpoints": [p for _, p in checkpoints(args.output_dir)],
-        "save_minutes": getattr(args, "save_minutes", 0.0), "timed_saves": stopper.timed_saves,
-        "stack": stack_info(device), "metrics": metrics_path,
-    }
-    if trainer.is_world_process_zero():
-        with open(os.path.join(args.output_dir, "summary.json"), "w") as fh:
-            json.dump(summary, fh, indent=2, default=str)
-        for line in stats.summary_lines(args.seq_len)[1:]:
-            _say(line)
-        if plan.aside_left:  # the overwrite this run continued is complete now
-            import shutil
+    with stopper.finishing():  # a signal now waits: final/ and summary.json are written whole
+        final_dir = os.path.join(args.output_dir, "final")
+        trainer.save_model(final_dir)
+        if trainer.is_world_process_zero():
+            tokenizer.save_pretrained(final_dir)
+        records = read_metrics(metrics_path)
+        mem, mem_kind = peak_memory(device)
+        mem_per_rank = [mem]
+        if world > 1 and torch.distributed.is_initialized():
+            mem_per_rank = [None] * world
+            torch.distributed.all_gather_object(mem_per_rank, mem)
+        summary = {
+            "model": args.model, "model_description": described, "mode": args.mode,
+            "dtype": str(dtype).replace("torch.", ""),
+            "deltafuse": patch_info, "packing": args.packing, "seq_len": args.seq_len, "batch_size": args.batch_size,
+            "world_size": world, "distributed_type": str(trainer.accelerator.distributed_type),
+            "wrapped_model": type(trainer.model_wrapped).__name__,
+            "fsdp_config": dict(targs.fsdp_config) if targs.fsdp else None, "max_steps": args.max_steps, "lr": lr,
+            "seed": args.seed,
+            "gradient_checkpointing": args.gradient_checkpointing, "trainable_parameters": trainable,
+            "total_parameters": total, "data": asdict(stats), "steps_run": len(records),
+            "final_loss": records[-1]["loss"] if records else None, "train_runtime_s": elapsed,
+            "train_loss": result.training_loss, "peak_mem_bytes": mem, "peak_mem_kind": mem_kind,
+            "peak_mem_bytes_per_rank": mem_per_rank,
+            "context_parallel": None if layout is None else {
+                "size": cp_size, "data_parallel_size": layout.replicas,
+                "first_step_shards": getattr(trainer, "first_step_shards", None)},
+            "resumed_from": resume_from, "final_dir": final_dir, "trainer_overrides": hfargs.trainer_overrides(args),
+            "eval": logger.evals, "final_eval": final_eval,
+            "checkpoints": [p for _, p in checkpoints(args.output_dir)],
+            "save_minutes": getattr(args, "save_minutes", 0.0), "timed_saves": stopper.timed_saves,
+            "stack": stack_info(device), "metrics": metrics_path,
+        }
+        if trainer.is_world_process_zero():
+            with open(os.path.join(args.output_dir, "summary.json"), "w") as fh:
+                json.dump(summary, fh, indent=2, default=str)
+            for line in stats.summary_lines(args.seq_len)[1:]:
+                _say(line)
+            if plan.aside_left:  # the overwrite this run continued is complete now
+                import shutil
 
-            from deltafuse.train.outdir import ASIDE
+                from deltafuse.train.outdir import ASIDE
 
-            shutil.rmtree(os.path.join(args.output_dir, ASIDE))
-            _say(f"output: the run that --overwrite replaced ({os.path.join(args.output_dir, ASIDE)}) is deleted "
-                 "now that this one has finished")
-        _say(f"done: {len(records)} steps in {elapsed:.1f} s; saved {'model' if full else 'adapter'} to "
-             f"{final_dir}; resumable checkpoint {summary['checkpoints'][-1] if summary['checkpoints'] else '-'}")
+                shutil.rmtree(os.path.join(args.output_dir, ASIDE))
+                _say(f"output: the run that --overwrite replaced ({os.path.join(args.output_dir, ASIDE)}) is deleted "
+                     "now that this one has finished")
+            _say(f"done: {len(records)} steps in {elapsed:.1f} s; saved {'model' if full else 'adapter'} to "
+                 f"{final_dir}; resumable checkpoint {summary['checkpoints'][-1] if summary['checkpoints'] else '-'}")
+    if stopper.final and stopper.signum is not None:
+        _say(f"{_signal_name(stopper.signum)} while the final output was written: it is complete, the run has "
+             "finished")
     return summary
 
 

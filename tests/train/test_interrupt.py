@@ -311,3 +311,23 @@ def test_timed_saves_are_off_with_zero_and_not_taken_in_a_short_run(tmp_path):
         s = json.load(fh)
     assert [os.path.basename(p) for p in s["checkpoints"]] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert s["timed_saves"] == 2  # steps 1 and 2; step 3 is the end's own save
+
+
+def test_a_signal_while_the_final_output_is_written_waits_for_it(tmp_path, monkeypatch, capsys):
+    from transformers import Trainer
+
+    out = str(tmp_path / "run")
+    real = Trainer.save_model
+
+    def save_model(trainer, output_dir=None, *a, **k):
+        if output_dir and output_dir.endswith("final"):
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while final/ is being written
+        return real(trainer, output_dir, *a, **k)
+
+    monkeypatch.setattr(Trainer, "save_model", save_model)
+    assert main(["--max-steps", "2", "--output-dir", out, *TINY]) == 0
+    captured = capsys.readouterr()
+    assert "SIGTERM: training is done; writing final/ and summary.json first" in captured.out
+    assert "SIGTERM while the final output was written: it is complete" in captured.out
+    assert os.path.isfile(os.path.join(out, "summary.json"))
+    assert os.path.isfile(os.path.join(out, "final", "adapter_model.safetensors"))

@@ -493,7 +493,7 @@ def _say_what_was_kept(output_dir: str, replacing_a_run: bool, max_steps: int | 
     """Turn Ctrl-C into ``Interrupted`` saying what --output-dir holds now (entered before ``replacing``).
 
     A run stopped before its first checkpoint leaves nothing to resume: what it wrote (its arguments, an
-    empty metrics file) is removed, so --output-dir is as it was and the same command runs again."""
+    empty metrics file) is removed, so nothing of it blocks the same command from running again."""
     try:
         yield
     except KeyboardInterrupt as exc:
@@ -513,7 +513,8 @@ def _say_what_was_kept(output_dir: str, replacing_a_run: bool, max_steps: int | 
             else:
                 from deltafuse.train.outdir import remove_partial_run
 
-                remove_partial_run(output_dir)
+                if is_main_process():  # the one writer of the run's files
+                    remove_partial_run(output_dir)
                 kept = (f"stopped before the first step: nothing was saved in {output_dir!r}; run the same "
                         "command again")
         raise Interrupted(kept, exit_code=code) from exc

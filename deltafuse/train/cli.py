@@ -124,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the latest checkpoint in --output-dir, or from the given checkpoint dir")
     g.add_argument("--save-every", metavar="N", type=_int_at_least(1), default=None,
-                   help="save a resumable checkpoint every N steps (default: at the end only)")
+                   help="save a resumable checkpoint every N steps (default: at the end, and by --save-minutes)")
     g.add_argument("--save-minutes", metavar="M", type=_minutes, default=30.0,
                    help="also save a resumable checkpoint after a step once M minutes of training have passed since "
                         "the last save, so a killed run loses at most M minutes (default: 30; 0: off). Ctrl-C and "

@@ -31,6 +31,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: minutes >= 0 (0: off)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: a finite number of minutes >= 0 (0: off)")
+    return value
+
+
 def _names(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
@@ -114,7 +124,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the latest checkpoint in --output-dir, or from the given checkpoint dir")
     g.add_argument("--save-every", metavar="N", type=_int_at_least(1), default=None,
-                   help="save a resumable checkpoint every N steps (default: at the end only)")
+                   help="save a resumable checkpoint every N steps (default: at the end, and by --save-minutes)")
+    g.add_argument("--save-minutes", metavar="M", type=_minutes, default=30.0,
+                   help="also save a resumable checkpoint after a step once M minutes of training have passed since "
+                        "the last save, so a killed run loses at most M minutes (default: 30; 0: off). Ctrl-C and "
+                        "SIGTERM always save the step they interrupt")
     g.add_argument("--save-total-limit", metavar="N", type=_int_at_least(1), default=2,
                    help="checkpoints kept (default: 2)")
     g.add_argument("--log-every", metavar="N", type=_int_at_least(1), default=10,
@@ -162,10 +176,21 @@ def _report_on_stdout():
         logger.propagate = saved[1]
 
 
+def _ignore_signals_while_exiting() -> None:
+    """The run has stopped and said so: a further Ctrl-C or SIGTERM must not turn the exit into a traceback."""
+    import signal
+
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to change
+        pass
+
+
 def run(args) -> int:
     """Train; bad input prints one line naming the argument/file and what is allowed, and returns 2.
 
-    Ctrl-C prints one line saying what was kept (see ``trainer.Interrupted``) and returns 130.
+    Ctrl-C prints one line saying what was kept (see ``trainer.Interrupted``) and returns 130 (143 for SIGTERM).
     """
     from deltafuse.config import SettingsError
 
@@ -178,8 +203,9 @@ def run(args) -> int:
         print(f"deltafuse train: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
+        _ignore_signals_while_exiting()
         print(f"deltafuse train: interrupted{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
-        return 130
+        return getattr(exc, "exit_code", 130)  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
     return 0
 
 

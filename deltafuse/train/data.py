@@ -82,50 +82,88 @@ def _row_problem(row) -> str | None:
     return f"a row needs 'prompt' and 'completion', or 'messages'; it has keys: {keys}"
 
 
-def load_jsonl(path: str, *, skip_bad_rows: bool = False, stats: DataStats | None = None,
-               flag: str = "--data") -> list[dict]:
-    """The rows of a JSONL file; a bad line raises TrainInputError naming it (as ``flag``), unless ``skip_bad_rows``."""
-    stats = stats if stats is not None else DataStats()
-    stats.source = path
+def check_file(path: str, flag: str = "--data") -> None:
+    """The path names a file (not missing, not a directory); its rows are checked as they are read."""
     if not os.path.exists(path):
         raise TrainInputError(f"{flag} {path!r}: no such file")
     if os.path.isdir(path):
         raise TrainInputError(f"{flag} {path!r} is a directory; expected a JSONL file")
+
+
+def iter_jsonl(path: str, *, skip_bad_rows: bool = False, stats: DataStats | None = None, flag: str = "--data",
+               progress: bool = False):
+    """The rows of a JSONL file, one at a time (the file is streamed, never read whole); a bad line raises
+    TrainInputError naming it (as ``flag``), unless ``skip_bad_rows``. ``progress``: a bar of the bytes read
+    on stderr."""
+    stats = stats if stats is not None else DataStats()
+    stats.source = path
+    check_file(path, flag)
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
+        fh = open(path, "rb")
     except OSError as exc:
         raise TrainInputError(f"{flag} {path!r} cannot be read: {exc.strerror or exc}") from None
-    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (some editors write one) is not row content
-        raw = raw[3:]
-    rows = []
-    for lineno, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        stats.rows_read += 1
+    bar = None
+    kept = 0
+    with fh:
+        if progress:
+            import sys
+
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=os.fstat(fh.fileno()).st_size, desc=f"reading {os.path.basename(path)}", unit="B",
+                       unit_scale=True, dynamic_ncols=True, file=sys.stderr, leave=False)
         try:
-            text = line.decode("utf-8")
-            row = json.loads(text)
-            problem = _row_problem(row)
-        except UnicodeDecodeError as exc:
-            problem = f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
-        except json.JSONDecodeError as exc:
-            problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
-        if problem is not None:
-            if not skip_bad_rows:
-                raise TrainInputError(f"{flag} {path!r} line {lineno}: {problem}; fix the line or pass "
-                                      "--skip-bad-rows to skip bad rows (they are counted)")
-            stats.bad_rows_skipped += 1
-            if len(stats.bad_row_lines) < 10:
-                stats.bad_row_lines.append(lineno)
-            continue
-        rows.append(row)
-    if not rows:
+            for lineno, line in enumerate(_lines(fh, path, flag), start=1):
+                if bar is not None:
+                    bar.update(len(line))
+                if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark is not content
+                    line = line[3:]
+                if not line.strip():
+                    continue
+                stats.rows_read += 1
+                try:
+                    row = json.loads(line.decode("utf-8"))
+                    problem = _row_problem(row)
+                except UnicodeDecodeError as exc:
+                    problem = f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
+                except json.JSONDecodeError as exc:
+                    problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
+                if problem is not None:
+                    if not skip_bad_rows:
+                        raise TrainInputError(f"{flag} {path!r} line {lineno}: {problem}; fix the line or pass "
+                                              "--skip-bad-rows to skip bad rows (they are counted)")
+                    stats.bad_rows_skipped += 1
+                    if len(stats.bad_row_lines) < 10:
+                        stats.bad_row_lines.append(lineno)
+                    continue
+                kept += 1
+                yield row
+        finally:
+            if bar is not None:
+                bar.close()
+    if not kept:
         if stats.rows_read == 0:
             raise TrainInputError(f"{flag} {path!r} is empty: no JSONL rows")
         raise TrainInputError(f"{flag} {path!r}: all {stats.rows_read} rows are bad (skipped with "
                               "--skip-bad-rows); nothing to train on")
-    return rows
+
+
+def _lines(fh, path: str, flag: str):
+    """The lines of a binary file without their b"\\n" (as ``bytes.split`` gives them), read as they come."""
+    while True:
+        try:
+            line = fh.readline()
+        except OSError as exc:
+            raise TrainInputError(f"{flag} {path!r} cannot be read: {exc.strerror or exc}") from None
+        if not line:
+            return
+        yield line[:-1] if line.endswith(b"\n") else line
+
+
+def load_jsonl(path: str, *, skip_bad_rows: bool = False, stats: DataStats | None = None,
+               flag: str = "--data") -> list[dict]:
+    """The rows of a JSONL file as a list (``iter_jsonl``)."""
+    return list(iter_jsonl(path, skip_bad_rows=skip_bad_rows, stats=stats, flag=flag))
 
 
 # --- tokenisation ------------------------------------------------------------------------------------
@@ -200,32 +238,62 @@ def _render(tokenizer, row: dict) -> tuple[str, list[tuple[int, int]], bool]:
     return text, [(len(row["prompt"]), len(text))], True
 
 
+# A cut text is tokenised as the whole text would be up to the last tokens before the cut: a token is kept
+# only if it ends at least this many characters before the cut (tokenizers merge within words and whitespace
+# runs, never across kilobytes).
+CUT_MARGIN_CHARS = 1024
+
+
+def _encode_prefix(tokenizer, text: str, seq_len: int, add_special: bool):
+    """(input_ids, offsets, truncated) of the first ``seq_len`` tokens of ``text``.
+
+    Only a prefix of the text is tokenised, grown until it yields more than ``seq_len`` tokens that end
+    ``CUT_MARGIN_CHARS`` before the cut (or until it is the whole text): the work and memory are bounded by the
+    tokens kept, not by the row (a 50 MB line costs what its first ``seq_len`` tokens cost).
+    """
+    cut = 4 * seq_len + 2 * CUT_MARGIN_CHARS
+    while True:
+        whole = cut >= len(text)
+        enc = tokenizer(text if whole else text[:cut], add_special_tokens=add_special, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        if whole:
+            return ids[:seq_len], offsets[:seq_len], len(ids) > seq_len
+        limit, stable = cut - CUT_MARGIN_CHARS, 0
+        for _, end in offsets:  # the leading tokens that the cut cannot have changed
+            if end > limit:
+                break
+            stable += 1
+        if stable > seq_len:
+            return ids[:seq_len], offsets[:seq_len], True
+        cut *= 2
+
+
 def encode_row(tokenizer, row: dict, seq_len: int) -> tuple[list[int], list[int], bool]:
-    """(input_ids, labels with IGNORE_INDEX outside the completion, truncated?)."""
+    """(input_ids, labels with IGNORE_INDEX outside the completion, truncated?); only the tokens that
+    ``seq_len`` keeps are computed."""
     text, spans, add_special = _render(tokenizer, row)
-    enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    ids, offsets, truncated = _encode_prefix(tokenizer, text, seq_len, add_special)
     labels = []
     for tok, (start, end) in zip(ids, offsets):
         inside = end > start and any(a <= start < b for a, b in spans)
         labels.append(tok if inside else IGNORE_INDEX)
-    truncated = len(ids) > seq_len
-    return ids[:seq_len], labels[:seq_len], truncated
+    return ids, labels, truncated
 
 
-def encode_rows(tokenizer, rows: list[dict], seq_len: int, stats: DataStats, vocab_size: int | None = None):
-    """Encoded examples ``{"input_ids", "labels"}``; counts truncated and dropped rows in ``stats``."""
+def encode_rows(tokenizer, rows, seq_len: int, stats: DataStats, vocab_size: int | None = None):
+    """Encoded examples ``{"input_ids", "labels"}`` of an iterable of rows (consumed one at a time: a streamed
+    file is never held whole); counts truncated and dropped rows in ``stats``."""
     examples = []
     for row in rows:
         ids, labels, truncated = encode_row(tokenizer, row, seq_len)
+        del row
         stats.truncated += int(truncated)
         n_completion = sum(1 for x in labels[1:] if x != IGNORE_INDEX)  # the first label is never predicted
         if n_completion == 0:
             stats.dropped_no_completion += 1
             continue
-        if vocab_size is not None and ids and max(ids) >= vocab_size:
-            raise TrainInputError(f"the tokenizer produces id {max(ids)} but the model's vocabulary has only "
-                                  f"{vocab_size} entries; use the tokenizer that belongs to the model")
+        if vocab_size is not None:
+            check_vocabulary([{"input_ids": ids}], vocab_size)
         examples.append({"input_ids": ids, "labels": labels})
         stats.tokens += len(ids)
         stats.completion_tokens += n_completion
@@ -234,6 +302,14 @@ def encode_rows(tokenizer, rows: list[dict], seq_len: int, stats: DataStats, voc
         raise TrainInputError(f"no row keeps a completion token within --seq-len {seq_len} "
                               f"({stats.dropped_no_completion} row(s) dropped); raise --seq-len")
     return examples
+
+
+def check_vocabulary(examples: list[dict], vocab_size: int) -> None:
+    """Every token id fits the model's vocabulary (else the tokenizer is not the model's)."""
+    top = max((max(ex["input_ids"]) for ex in examples if ex["input_ids"]), default=-1)
+    if top >= vocab_size:
+        raise TrainInputError(f"the tokenizer produces id {top} but the model's vocabulary has only "
+                              f"{vocab_size} entries; use the tokenizer that belongs to the model")
 
 
 # --- packing and collation ---------------------------------------------------------------------------
@@ -294,7 +370,10 @@ def pack(examples: list[dict], seq_len: int) -> list[list[dict]]:
     """
     order = sorted(range(len(examples)), key=lambda i: (-len(examples[i]["input_ids"]), i))
     bins: list[list[int]] = []
-    index = _RoomIndex(seq_len)
+    # the index spans the room values that can occur: a bin wider than all the tokens together packs exactly as
+    # one of that width (everything fits in the first bin), so a huge --seq-len costs nothing here
+    cap = min(seq_len, sum(len(ex["input_ids"]) for ex in examples))
+    index = _RoomIndex(cap)
     for i in order:
         n = len(examples[i]["input_ids"])
         if n > seq_len:
@@ -302,7 +381,7 @@ def pack(examples: list[dict], seq_len: int) -> list[list[dict]]:
         hit = index.pop_fitting(n)
         if hit is None:
             bins.append([i])
-            room, b = seq_len - n, len(bins) - 1
+            room, b = cap - n, len(bins) - 1
         else:
             room, b = hit
             bins[b].append(i)
@@ -381,7 +460,13 @@ class PaddedCollator:
 
 
 def build_dataset(examples: list[dict], seq_len: int, packing: bool, pad_token_id: int):
-    """(dataset, collator) for the Trainer."""
+    """(dataset, collator) for the Trainer.
+
+    Packed: every bin is filled to the width of the fullest bin built (at most ``seq_len``): all steps have one
+    shape, and no row is wider than the data needs (``--seq-len 1000000000`` on short rows allocates short rows).
+    """
     if packing:
-        return ListDataset(pack(examples, seq_len)), PackedCollator(pad_token_id, seq_len)
+        bins = pack(examples, seq_len)
+        width = max(sum(len(ex["input_ids"]) for ex in b) for b in bins)
+        return ListDataset(bins), PackedCollator(pad_token_id, width)
     return ListDataset(examples), PaddedCollator(pad_token_id)

@@ -197,6 +197,8 @@ class OutputPlan:
     in_place: bool = False  # the checkpoint is one of --output-dir's own
     history: list = field(default_factory=list)  # metric records of the checkpoint's run, up to its step
     replace: list = field(default_factory=list)  # a previous run's entries that --overwrite replaces
+    aside_left: bool = False  # a run that an interrupted --overwrite set aside: deleted when this run finishes
+    skipped: list = field(default_factory=list)  # incomplete checkpoint-N folders past the one resumed
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -215,24 +217,33 @@ def plan_output_dir(output_dir: str, *, overwrite: bool, resume: str | None, mod
     """
     check_writable(output_dir)
     aside = os.path.join(output_dir, ASIDE)
-    if main and os.path.exists(aside):
+    aside_left = main and os.path.exists(aside)
+    found = checkpoints(output_dir)
+    if aside_left and not (resume is not None and not overwrite and found
+                           and (resume == "latest" or _same_dir(os.path.dirname(os.path.abspath(resume)),
+                                                                output_dir))):
+        cont = (f"pass --resume latest to continue the run that replaced it (latest {found[-1][1]}; the folder "
+                "is deleted when that run finishes), or " if found else "")
         raise TrainInputError(f"--output-dir {output_dir!r} holds {aside!r}, a previous run that an interrupted "
-                              f"--overwrite set aside; move its contents back into {output_dir!r} to keep that "
-                              "run, or delete the folder, then run again")
+                              f"--overwrite set aside; {cont}move its contents back into {output_dir!r} to keep "
+                              "that run, or delete the folder, then run again")
     entries = run_entries(output_dir)
     occupied = main and os.path.isdir(output_dir) and bool(os.listdir(output_dir))
     if resume is None:
         if occupied and not overwrite:
-            raise TrainInputError(f"--output-dir {output_dir!r} exists and is not empty; pass --overwrite to "
-                                  "replace its previous run, --resume to continue it, or choose another directory")
+            raise TrainInputError(describe_occupied(output_dir))
         return OutputPlan(output_dir, replace=entries if overwrite and main else [])
 
     if resume == "latest":
         if overwrite:
             raise TrainInputError("--resume and --overwrite contradict each other: resuming keeps the previous "
                                   "run, overwriting deletes it; pass one of them")
-        found = checkpoints(output_dir)
         if not found:
+            if entries:
+                raise TrainInputError(f"--resume: --output-dir {output_dir!r} holds a run that saved no complete "
+                                      f"checkpoint ({_listing(entries)}{_incomplete_note(output_dir)}): nothing to "
+                                      "resume; pass --overwrite instead of --resume to replace it, or choose "
+                                      "another directory")
             raise TrainInputError(f"--resume: --output-dir {output_dir!r} has no checkpoint-N folder to resume "
                                   "from; start a new run without --resume")
         checkpoint = found[-1][1]
@@ -252,7 +263,57 @@ def plan_output_dir(output_dir: str, *, overwrite: bool, resume: str | None, mod
                               f"new or empty --output-dir, or --overwrite to replace what {output_dir!r} holds")
     history = [r for r in read_metrics(os.path.join(source, "metrics.jsonl")) if r["step"] <= step]
     return OutputPlan(output_dir, resume_from=checkpoint, resume_step=step, source_run=source, in_place=in_place,
-                      history=history, replace=entries if (overwrite and main and not in_place) else [])
+                      history=history, replace=entries if (overwrite and main and not in_place) else [],
+                      aside_left=aside_left, skipped=_incomplete(output_dir, after=step) if in_place else [])
+
+
+def _incomplete(output_dir: str, after: int = -1) -> list[str]:
+    """checkpoint-N folders without trainer_state.json (the Trainer writes it last: a save that was cut off)."""
+    if not os.path.isdir(output_dir):
+        return []
+    out = []
+    for name in os.listdir(output_dir):
+        m = CHECKPOINT_RE.match(name)
+        if m and int(m.group(1)) > after and not os.path.isfile(os.path.join(output_dir, name,
+                                                                            "trainer_state.json")):
+            out.append((int(m.group(1)), name))
+    return [n for _, n in sorted(out)]
+
+
+def _incomplete_note(output_dir: str) -> str:
+    cut = _incomplete(output_dir)
+    return f"; {', '.join(cut)} {'has' if len(cut) == 1 else 'have'} no trainer_state.json: a save cut off" if cut \
+        else ""
+
+
+def describe_occupied(output_dir: str) -> str:
+    """The refusal of a run into a non-empty --output-dir: what it holds, and the one way forward for that."""
+    found, entries = checkpoints(output_dir), run_entries(output_dir)
+    d = f"--output-dir {output_dir!r}"
+    if found and "final" in entries:
+        step, path = found[-1]
+        return (f"{d} holds a finished run (final/, latest checkpoint {path}); pass --overwrite to replace it, "
+                f"--resume latest with a --max-steps above {step} to train it further, or choose another directory")
+    if found:
+        step, path = found[-1]
+        return (f"{d} holds an unfinished run (latest checkpoint {path}, step {step}{_incomplete_note(output_dir)}); "
+                "pass --resume latest to continue it, --overwrite to replace it, or choose another directory")
+    if entries:
+        return (f"{d} holds a run that saved no complete checkpoint ({_listing(entries)}"
+                f"{_incomplete_note(output_dir)}): nothing to resume; pass --overwrite to replace it, or choose "
+                "another directory")
+    held = sorted(os.listdir(output_dir))
+    return (f"{d} exists and is not empty ({_listing(held)}) and holds no checkpoint to resume; pass --overwrite "
+            "to replace its previous run, or choose another directory")
+
+
+def remove_partial_run(output_dir: str) -> None:
+    """Remove a run's entries that no checkpoint backs (its arguments, its metrics so far): nothing to resume."""
+    if checkpoints(output_dir):
+        return
+    for name in run_entries(output_dir):
+        if not CHECKPOINT_RE.match(name):
+            _remove(os.path.join(output_dir, name))
 
 
 def _remove(path: str) -> None:
@@ -267,7 +328,9 @@ def replacing(output_dir: str, names: list[str]):
     """Set a previous run's entries aside for the body; delete them after it, put them back if it raises.
 
     On an exception (KeyboardInterrupt included) the new run's entries are removed first, so the directory
-    holds exactly the previous run again. Files that are not run entries are never touched.
+    holds exactly the previous run again. Files that are not run entries are never touched. An exception with
+    ``keep_new_run`` (a run stopped by a signal after saving a resumable checkpoint) keeps both: the new run in
+    place, the previous one in the hidden folder until the new one, resumed, finishes (``plan_output_dir``).
     """
     if not names:
         yield
@@ -280,7 +343,9 @@ def replacing(output_dir: str, names: list[str]):
             os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
             moved.append(name)
         yield
-    except BaseException:
+    except BaseException as exc:
+        if getattr(exc, "keep_new_run", False) and len(moved) == len(names):
+            raise  # the new run stopped with a resumable checkpoint: both runs are kept, the old one set aside
         unmoved = set(names) - set(moved)  # still the previous run's (interrupted while setting aside)
         for name in run_entries(output_dir):
             if name not in unmoved:

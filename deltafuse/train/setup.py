@@ -99,28 +99,39 @@ def check_model_arg(model: str, *, patched: bool = False) -> None:
                                   "it with stock transformers")
 
 
-def load_model_and_tokenizer(model: str, *, dtype: torch.dtype, device: str, seed: int,
-                             trust_remote_code: bool = False):
-    """(model, tokenizer, description) for a named config (byte-level tokenizer) or a local directory."""
-    from deltafuse import models
-
+def load_tokenizer(model: str, *, trust_remote_code: bool = False):
+    """The tokenizer of a named config (byte-level) or a local directory; light, so data is encoded (and its
+    errors reported) before the model is built."""
     check_model_arg(model)
     if is_named(model) and not os.path.isdir(model):
         from deltafuse.train.tokenizer import build_byte_tokenizer
 
-        tokenizer = build_byte_tokenizer()
+        return build_byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # a broken or foreign tokenizer file: say which directory and why
+        raise TrainInputError(f"--model {model!r}: the tokenizer cannot be loaded: "
+                              f"{type(exc).__name__}: {exc}") from None
+
+
+def load_model_and_tokenizer(model: str, *, dtype: torch.dtype, device: str, seed: int,
+                             trust_remote_code: bool = False, tokenizer=None):
+    """(model, tokenizer, description) for a named config (byte-level tokenizer) or a local directory;
+    ``tokenizer``: one already loaded by ``load_tokenizer``."""
+    from deltafuse import models
+
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
+    else:
+        check_model_arg(model)
+    if is_named(model) and not os.path.isdir(model):
         try:
             net = models.build_model(model, dtype=dtype, device=device, seed=seed)
         except models.UnknownModelError as exc:
             raise TrainInputError(f"--model {model!r}: {exc}") from None
         return net, tokenizer, f"{model} (random init: {models.NAMED_MODELS[model].doc})"
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # a broken or foreign tokenizer file: say which directory and why
-        raise TrainInputError(f"--model {model!r}: the tokenizer cannot be loaded: "
-                              f"{type(exc).__name__}: {exc}") from None
     try:
         net = models.load_local_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:

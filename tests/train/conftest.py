@@ -19,3 +19,15 @@ def _transformers_logs_to_open_stderr():
         handler.flush = sys.stderr.flush
         handler.stream = sys.stderr
     yield
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """An interrupted in-process `deltafuse train` leaves SIGINT/SIGTERM ignored for the exit it expects; the
+    test process gets its own handlers back."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)

@@ -88,7 +88,8 @@ def test_existing_output_dir_is_refused_and_kept(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    fails(["--output-dir", str(out)], capsys, "exists and is not empty", "--overwrite", "--resume")
+    line = fails(["--output-dir", str(out)], capsys, "exists and is not empty (precious.txt)", "--overwrite")
+    assert "--resume" not in line  # nothing there to resume
     assert (out / "precious.txt").read_text() == "keep me"
     fails(["--output-dir", str(out), "--resume"], capsys, "has no checkpoint-N folder to resume from")
     fails(["--output-dir", str(out), "--resume", "--overwrite"], capsys, "contradict")
@@ -134,6 +135,8 @@ def test_deltafuse_flag_against_env_master_switch(monkeypatch, capsys, out):
     (["--lora-dropout", "1.5"], "argument --lora-dropout: 1.5 is not allowed; allowed: 0 <= p < 1"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["--lora", "--full"], "argument --full: not allowed with argument --lora"),
+    (["--save-minutes", "-1"], "argument --save-minutes: -1 is not allowed; allowed: a finite number of minutes >= 0"),
+    (["--save-minutes", "soon"], "argument --save-minutes: 'soon' is not a number; allowed: minutes >= 0 (0: off)"),
 ])
 def test_bad_flag_values_name_the_argument(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

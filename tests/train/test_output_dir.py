@@ -303,7 +303,7 @@ def test_ctrl_c_in_a_new_run_keeps_its_checkpoints_and_resume_continues(tmp_path
     assert rc == 130
     ckpt = os.path.join(out, "checkpoint-1")
     assert err.strip() == (f"deltafuse train: interrupted; checkpoints so far are in {out!r} (latest {ckpt}); "
-                           "--resume continues")
+                           f"continue with: deltafuse train ... --output-dir {out} --resume latest")
     assert main(["--output-dir", out, "--resume", "--max-steps", "2", *TINY]) == 0
     got, original = records(out), records(finished_run)
     assert [r["step"] for r in got] == [1, 2]

@@ -90,10 +90,6 @@ def build_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | 
     return model.to(dtype=dtype).eval()
 
 
-def is_local_model(path: str) -> bool:
-    return os.path.isdir(path)
-
-
 class LocalModelError(ValueError):
     """A local model directory that cannot be used (unreadable config.json, no weights ...)."""
 

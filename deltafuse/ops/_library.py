@@ -81,11 +81,6 @@ _AUTOCAST_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in dir(torch
                        if name.startswith("Autocast"))
 
 
-def compiling() -> bool:
-    """Whether dynamo is tracing (values of tensors cannot be read on the host there)."""
-    return torch.compiler.is_compiling()
-
-
 def run_forward(tensors: Sequence[torch.Tensor | None], grad_mask: Sequence[bool],
                 run: Callable[..., Sequence[torch.Tensor | None]], device_type: str) -> list[torch.Tensor]:
     """The body of a forward op: ``run(*inputs)`` on the op's tensor arguments (detached; those marked in

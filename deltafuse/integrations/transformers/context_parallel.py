@@ -114,10 +114,6 @@ def register(target: torch.nn.Module, group) -> None:
             _REGISTERED.append((weakref.ref(module), previous))
 
 
-def group_of(module):
-    return getattr(module, p.CONTEXT_PARALLEL_ATTR, None)
-
-
 def mark() -> int:
     return len(_REGISTERED)
 
@@ -204,7 +200,7 @@ def _shard_packing(group, positions: torch.Tensor) -> p.Packing:
     seq_idx = (flat.to(torch.int64).cumsum(0) - 1).view(B, L)
     offsets = tuple(int(v) for v in flat.nonzero().squeeze(1).tolist()) + (B * L,)
     cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=positions.device)
-    p._HOST_OFFSETS[cu_seqlens] = (cu_seqlens._version, offsets)
+    p.remember_host_offsets(cu_seqlens, offsets)
     shard = Shard(group, rank, world, B, L, global_seq, continues, tuple(first_start))
     return p.Packing(seq_idx, cu_seqlens, B, L, offsets, block_causal=False, context=shard)
 
@@ -222,30 +218,30 @@ def text_model_forward(original, signature, self, group, args, kwargs):
         return original(self, *args, **kwargs)
     if torch.compiler.is_compiling():
         raise _refuse("torch.compile of a context-parallel model", "eager calls")
-    ids = p._argument(signature, args, kwargs, "input_ids")
-    embeds = p._argument(signature, args, kwargs, "inputs_embeds")
+    ids = p.call_argument(signature, args, kwargs, "input_ids")
+    embeds = p.call_argument(signature, args, kwargs, "inputs_embeds")
     ref = ids if ids is not None else embeds
     if ref is None or ref.dim() < 2:
         raise _refuse("a call without [B, T] input_ids or inputs_embeds", "[B, T/W] tokens of every row")
     B, L = int(ref.shape[0]), int(ref.shape[1])
     for name in ("cache", "past_key_values", "cache_params"):
-        if p._argument(signature, args, kwargs, name) is not None:
+        if p.call_argument(signature, args, kwargs, name) is not None:
             raise _refuse(f"{name} given (a cache)", "no cache (training and scoring)")
     for name in p.BOUNDARY_KWARGS:
         if kwargs.get(name) is not None:
             raise _refuse(f"{name} given", "sequence boundaries as global position_ids only")
-    mask = p._argument(signature, args, kwargs, "attention_mask")
+    mask = p.call_argument(signature, args, kwargs, "attention_mask")
     if mask is not None:
-        if not p._all_ones_mask(mask):
+        if not p.all_ones_mask(mask):
             raise _refuse("an attention_mask that masks tokens (padding) or is not 2-D",
                           "no attention_mask, or a 2-D one of all ones")
-        args = p._set_argument(signature, args, kwargs, "attention_mask", None)
+        args = p.set_call_argument(signature, args, kwargs, "attention_mask", None)
     impl = getattr(self.config, "_attn_implementation", None)
     if impl != "sdpa":
         raise _refuse(f"attention implementation {impl!r}", "'sdpa'")
     dist = _dist()
     rank = dist.get_rank(group)
-    position_ids = p._argument(signature, args, kwargs, "position_ids")
+    position_ids = p.call_argument(signature, args, kwargs, "position_ids")
     if position_ids is None:
         text = (rank * L + torch.arange(L, device=ref.device)).expand(B, L)
     else:
@@ -262,7 +258,7 @@ def text_model_forward(original, signature, self, group, args, kwargs):
                           "[B, T/W], [1, T/W], [T/W] or [3|4, B, T/W]")
         text = text.expand(B, L)
         if position_ids.dim() == 3 and position_ids.shape[0] == 3:
-            args = p._set_argument(signature, args, kwargs, "position_ids", text)
+            args = p.set_call_argument(signature, args, kwargs, "position_ids", text)
     _same_shapes((B, L), group, "the shard shapes [B, T/W]", ref.device)
     kernel = getattr(self.config, "linear_conv_kernel_dim", 1)
     if dist.get_world_size(group) > 1 and L < kernel - 1:
@@ -270,15 +266,8 @@ def text_model_forward(original, signature, self, group, args, kwargs):
                       "per rank")
     packing = _shard_packing(group, text)
     if position_ids is None:
-        args = p._set_argument(signature, args, kwargs, "position_ids", text)
-    kwargs[p.PACKING_KWARG] = packing
-    if p._argument(signature, args, kwargs, "use_cache") is not False:
-        args = p._set_argument(signature, args, kwargs, "use_cache", False)
-    token = p._MODEL_PACKING.set(packing)
-    try:
-        out = original(self, *args, **kwargs)
-    finally:
-        p._MODEL_PACKING.reset(token)
+        args = p.set_call_argument(signature, args, kwargs, "position_ids", text)
+    out = p.run_packed_text_model(original, signature, self, args, kwargs, packing)
     expected = _full_attention_layers(self.config)
     if expected is not None and packing.context.attention_calls != expected:
         raise _refuse(f"{packing.context.attention_calls} of {expected} full-attention layers ran deltafuse's "

@@ -76,8 +76,7 @@ class _Slot(threading.local):
     """A value per thread (None until set) with ContextVar's ``get`` / ``set`` / ``reset``: ``set`` returns the
     token that ``reset`` takes to restore the previous value. Unlike ``contextvars``, dynamo traces it."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self):
         self.value = None
 
     def get(self):
@@ -93,11 +92,11 @@ class _Slot(threading.local):
 
 
 # (GDN layer, Packing) while a decoder layer that holds that GDN layer runs with a packed batch (5.2-5.8).
-_LAYER_PACKING = _Slot("deltafuse_layer_packing")
+_LAYER_PACKING = _Slot()
 # The Packing of the text-model call in progress: a GDN layer inside it that got no boundaries is an error.
-_MODEL_PACKING = _Slot("deltafuse_model_packing")
+_MODEL_PACKING = _Slot()
 # _HeldPacking while the forward of a GDN layer with a packed batch runs: the op adapters take it here.
-_OP_PACKING = _Slot("deltafuse_op_packing")
+_OP_PACKING = _Slot()
 
 # Host copies of the offsets of every live Packing: cu_seqlens tensor -> (its version, the offsets).
 _HOST_OFFSETS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -238,8 +237,13 @@ def packing_from_starts(starts: torch.Tensor) -> Packing | None:
     cu_seqlens = torch.cat([offsets, end]).to(torch.int32)
     # nonzero() above already waited for the device: keep a host copy so that no layer reads it back again
     host = tuple(int(v) for v in offsets.tolist()) + (B * T,)
-    _HOST_OFFSETS[cu_seqlens] = (cu_seqlens._version, host)
+    remember_host_offsets(cu_seqlens, host)
     return Packing(seq_idx, cu_seqlens, B, T, host)
+
+
+def remember_host_offsets(cu_seqlens: torch.Tensor, offsets: tuple[int, ...]) -> None:
+    """Keep ``offsets``, the values of ``cu_seqlens``, on the host for the ops while the tensor lives unchanged."""
+    _HOST_OFFSETS[cu_seqlens] = (cu_seqlens._version, tuple(offsets))
 
 
 def text_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -345,7 +349,7 @@ def held_layer():
 
 
 # --- forward wrappers --------------------------------------------------------------------------------
-def _argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str, default=None):
+def call_argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str, default=None):
     """The value of parameter ``name`` in a call (self excluded from ``args``)."""
     if name in kwargs:
         return kwargs[name]
@@ -357,7 +361,7 @@ def _argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str
     return default
 
 
-def _set_argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str, value) -> tuple:
+def set_call_argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str, value) -> tuple:
     params = list(signature.parameters)[1:]
     if name in params and params.index(name) < len(args):
         args = list(args)
@@ -367,7 +371,7 @@ def _set_argument(signature: inspect.Signature, args: tuple, kwargs: dict, name:
     return args
 
 
-def _all_ones_mask(mask) -> bool:
+def all_ones_mask(mask) -> bool:
     """A 2-D attention mask that masks nothing (what tokenizers and many collators return for unpadded rows)."""
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask == 1).all())
 
@@ -415,23 +419,23 @@ def wrap_text_model_forward(original):
         group = getattr(self, CONTEXT_PARALLEL_ATTR, None)
         if group is not None:
             return _context_parallel().text_model_forward(original, signature, self, group, args, kwargs)
-        ids = _argument(signature, args, kwargs, "input_ids")
-        embeds = _argument(signature, args, kwargs, "inputs_embeds")
+        ids = call_argument(signature, args, kwargs, "input_ids")
+        embeds = call_argument(signature, args, kwargs, "inputs_embeds")
         ref = ids if ids is not None else embeds
         if ref is None or ref.dim() < 2:
             return original(self, *args, **kwargs)
         batch, length = int(ref.shape[0]), int(ref.shape[1])
         cache = None
         for name in ("cache", "past_key_values", "cache_params"):
-            cache = cache if cache is not None else _argument(signature, args, kwargs, name)
+            cache = cache if cache is not None else call_argument(signature, args, kwargs, name)
         explicit = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("seq_idx") is not None
-        position_ids = _argument(signature, args, kwargs, "position_ids")
+        position_ids = call_argument(signature, args, kwargs, "position_ids")
         if position_ids is None and not explicit:
             return original(self, *args, **kwargs)
-        mask = _argument(signature, args, kwargs, "attention_mask")
+        mask = call_argument(signature, args, kwargs, "attention_mask")
         # while torch.compile / torch.export traces, a mask's values are unknown: a given mask is read as stock
         # reads it (a padding mask, position_ids then mark no boundaries), the same for every value it may hold
-        mask_free = cache is None and (mask is None or (not torch.compiler.is_compiling() and _all_ones_mask(mask)))
+        mask_free = cache is None and (mask is None or (not torch.compiler.is_compiling() and all_ones_mask(mask)))
         use_positions = position_ids if mask_free else None
         packing = packing_from_kwargs(kwargs, batch, length, use_positions)
         if packing is None:
@@ -439,32 +443,41 @@ def wrap_text_model_forward(original):
         if cache is None:
             if mask is not None and mask_free:
                 # transformers builds the packed (block-causal) mask only when no mask is passed
-                args = _set_argument(signature, args, kwargs, "attention_mask", None)
+                args = set_call_argument(signature, args, kwargs, "attention_mask", None)
                 mask = None
             if position_ids is None:
                 # boundaries given only as cu_seq_lens_q / seq_idx: positions restart with every sequence (what
                 # RoPE and transformers' packed attention mask need to treat each sequence as if alone)
-                args = _set_argument(signature, args, kwargs, "position_ids", packing.positions())
+                args = set_call_argument(signature, args, kwargs, "position_ids", packing.positions())
                 explicit = False
             elif (position_ids.dim() == 3 and position_ids.shape[0] == 3 and _is_mrope(self)
                   and text_positions(position_ids) is not None):
                 # equal rows: the same RoPE from their [B, T] row, which every version also reads as the text
                 # positions of its packed mask (5.15+ read none from a [3, B, T])
-                args = _set_argument(signature, args, kwargs, "position_ids", position_ids[0])
+                args = set_call_argument(signature, args, kwargs, "position_ids", position_ids[0])
         # transformers' mask is block-causal exactly when it comes from these restarting positions alone
         packing = dataclasses.replace(packing, block_causal=mask is None and cache is None and not explicit)
-        kwargs[PACKING_KWARG] = packing
-        if cache is None and _argument(signature, args, kwargs, "use_cache") is not False:
-            args = _set_argument(signature, args, kwargs, "use_cache", False)
-        token = _MODEL_PACKING.set(packing)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _MODEL_PACKING.reset(token)
+        return run_packed_text_model(original, signature, self, args, kwargs, packing, cache_off=cache is None)
 
     forward.__deltafuse_wraps__ = original
     forward.__deltafuse_factory__ = "deltafuse.wrap_text_model_forward"
     return forward
+
+
+def run_packed_text_model(original, signature: inspect.Signature, module, args: tuple, kwargs: dict,
+                          packing: Packing, cache_off: bool = True):
+    """Run the text model's stock ``original`` forward on a packed batch: ``packing`` goes to the decoder layers in
+    their keywords (``PACKING_KWARG``) and is held as the model call in progress (a GDN layer that receives it
+    neither way is an error); with ``cache_off``, ``use_cache`` is turned off for the call (a cache of a packed
+    batch would mix sequences)."""
+    kwargs[PACKING_KWARG] = packing
+    if cache_off and call_argument(signature, args, kwargs, "use_cache") is not False:
+        args = set_call_argument(signature, args, kwargs, "use_cache", False)
+    token = _MODEL_PACKING.set(packing)
+    try:
+        return original(module, *args, **kwargs)
+    finally:
+        _MODEL_PACKING.reset(token)
 
 
 def wrap_decoder_layer_forward(original):
@@ -514,7 +527,7 @@ def wrap_gdn_forward(original):
             held = _LAYER_PACKING.get()
             if held is not None and held[0] is self:
                 packing = held[1]
-        hidden = _argument(signature, args, kwargs, "hidden_states")
+        hidden = call_argument(signature, args, kwargs, "hidden_states")
         if hidden is None or hidden.dim() != 3:
             return original(self, *args, **kwargs)
         batch, length = int(hidden.shape[0]), int(hidden.shape[1])

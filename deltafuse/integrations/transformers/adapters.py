@@ -76,17 +76,13 @@ def _gdn_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, us
 
 
 def _context_parallel_gdn(op, q, k, v, g, beta, scale, initial_state, output_final_state, l2, packing: Packing):
-    from deltafuse.integrations.transformers import context_parallel as cp
-
-    if op is not ops.chunk_gated_delta_rule or initial_state is not None or output_final_state:
-        raise cp.ContextParallelError("context parallelism: a GDN call with a cache (decoding, an initial or a "
-                                      "final state); allowed: the chunked op without a cache")
     local = dataclasses.replace(packing, context=None)
 
     def run(q_, k_, v_, g_, b_, h0):
         return _gdn_call(op, q_, k_, v_, g_, b_, scale, h0, True, l2, local)
 
-    return cp.relay_gated_delta_rule(run, q, k, v, g, beta, packing.context, held_layer()), None
+    with_cache = op is not ops.chunk_gated_delta_rule or initial_state is not None or bool(output_final_state)
+    return packing.context.gated_delta_rule(run, q, k, v, g, beta, held_layer(), with_cache=with_cache), None
 
 
 def _state_replaced_in_place(initial_state, output_final_state, *tensors) -> bool:
@@ -202,13 +198,8 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
         seq_idx = kwargs.get("seq_idx")
     packing = _conv_packing(x, seq_idx, cu_seqlens)
     if packing is not None and packing.context is not None:  # one shard of a context-parallel row
-        from deltafuse.integrations.transformers import context_parallel as cp
-
-        if initial_states is not None or return_final_states or x.shape[-1] != packing.length:
-            raise cp.ContextParallelError("context parallelism: a conv call with a cache (initial or final "
-                                          "states); allowed: the conv over the shard without a cache")
-        return cp.halo_conv1d(ops.causal_conv1d_fn, x, weight, bias, activation, _conv_seq_idx(x, packing),
-                              packing.context, held_layer())
+        return packing.context.conv1d(ops.causal_conv1d_fn, x, weight, bias, activation, _conv_seq_idx(x, packing),
+                                      held_layer(), with_cache=initial_states is not None or bool(return_final_states))
     sid = _conv_seq_idx(x, packing)
     return ops.causal_conv1d_fn(x, weight, bias, seq_idx=sid, initial_states=initial_states,
                                 return_final_states=return_final_states, final_states_out=final_states_out,

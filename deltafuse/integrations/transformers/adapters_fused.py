@@ -328,11 +328,9 @@ def wrap_causal_lm_forward(original):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        group = getattr(self, CONTEXT_PARALLEL_ATTR, None)
-        if group is not None:  # one shard of every row: labels shifted across ranks, loss reduced over them
-            from deltafuse.integrations.transformers import context_parallel
-
-            return context_parallel.causal_lm_forward(local_forward, positional, self, group, args, kwargs)
+        sharding = getattr(self, CONTEXT_PARALLEL_ATTR, None)
+        if sharding is not None:  # one shard of every row: labels shifted across ranks, loss reduced over them
+            return sharding.causal_lm_forward(local_forward, positional, self, args, kwargs)
         return local_forward(self, *args, **kwargs)
 
     def local_forward(self, *args, **kwargs):
@@ -516,9 +514,7 @@ def wrap_sdpa_attention(original):
                                is_causal=None, **kwargs):
         packing = kwargs.get(PACKING_KWARG)
         if packing is not None and packing.context is not None:  # one shard of a context-parallel row
-            from deltafuse.integrations.transformers import context_parallel
-
-            return context_parallel.attention(module, query, key, value, dropout, scaling, packing), None
+            return packing.context.attention(module, query, key, value, dropout, scaling, packing), None
         if _routable_attention(module, is_causal, kwargs):
             if query.device.type == "npu":
                 from deltafuse.ops.attention import sdpa_route

@@ -105,12 +105,28 @@ def check_model(target: torch.nn.Module) -> None:
                              "allowed: 0.0")
 
 
+class Sharding:
+    """What a context-parallel model's modules hold under ``packing.CONTEXT_PARALLEL_ATTR``: the group their
+    rows are split over, and the calls the text-model and causal-LM wrappers hand such a model's calls to (so
+    that they never import this module)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def text_model_forward(self, original, signature, module, args, kwargs):
+        return text_model_forward(original, signature, module, self.group, args, kwargs)
+
+    def causal_lm_forward(self, inner, positional, module, args, kwargs):
+        return causal_lm_forward(inner, positional, module, self.group, args, kwargs)
+
+
 def register(target: torch.nn.Module, group) -> None:
     """Mark every module of ``target`` as sharding its context over ``group``."""
+    sharding = Sharding(group)
     for module in target.modules():
         previous = vars(module).get(p.CONTEXT_PARALLEL_ATTR)
-        if previous is not group:
-            vars(module)[p.CONTEXT_PARALLEL_ATTR] = group
+        if getattr(previous, "group", None) is not group:
+            vars(module)[p.CONTEXT_PARALLEL_ATTR] = sharding
             _REGISTERED.append((weakref.ref(module), previous))
 
 
@@ -163,6 +179,28 @@ class Shard:
 
     def peer(self, offset: int) -> int:
         return _dist().get_global_rank(self.group, self.rank + offset)
+
+    # What the op adapters call on the ``Packing.context`` of a shard (they never import this module).
+    def gated_delta_rule(self, run, q, k, v, g, beta, layer, *, with_cache: bool):
+        """The chunked GDN op over this shard, its entry state relayed from the previous rank (``run(q, k, v, g,
+        beta, h0) -> (o, final)`` runs it on the local tokens); ``with_cache``: the call has a cache (an initial or
+        final state, or the recurrent op), which is refused."""
+        if with_cache:
+            raise ContextParallelError("context parallelism: a GDN call with a cache (decoding, an initial or a "
+                                       "final state); allowed: the chunked op without a cache")
+        return relay_gated_delta_rule(run, q, k, v, g, beta, self, layer)
+
+    def conv1d(self, conv, x, weight, bias, activation, seq_idx, layer, *, with_cache: bool):
+        """The causal conv ``conv`` over this shard, its first taps received from the previous rank;
+        ``with_cache``: the call has initial or final states, which is refused."""
+        if with_cache or x.shape[-1] != self.length:
+            raise ContextParallelError("context parallelism: a conv call with a cache (initial or final states); "
+                                       "allowed: the conv over the shard without a cache")
+        return halo_conv1d(conv, x, weight, bias, activation, seq_idx, self, layer)
+
+    def attention(self, module, query, key, value, dropout, scaling, packing):
+        """Causal attention of this shard's queries against every rank's keys (module function ``attention``)."""
+        return attention(module, query, key, value, dropout, scaling, packing)
 
 
 def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:

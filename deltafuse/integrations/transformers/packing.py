@@ -390,15 +390,13 @@ def _transformers_version() -> str:
         return "?"
 
 
-# Instance attribute holding the process group of a context-parallel model's modules (context_parallel.py
-# sets it; an attribute lookup, which torch.compile traces, costs nothing on other models).
+# Instance attribute holding the ``Sharding`` of a context-parallel model's modules (context_parallel.py sets it:
+# the group and the calls to hand the model's calls to; an attribute lookup, which torch.compile traces, costs
+# nothing on other models). Shards of a row reach the op adapters as ``Packing.context``; neither this module
+# nor the adapters import context_parallel.
 CONTEXT_PARALLEL_ATTR = "_deltafuse_context_parallel"
 
 
-def _context_parallel():
-    from deltafuse.integrations.transformers import context_parallel
-
-    return context_parallel
 
 
 def wrap_text_model_forward(original):
@@ -416,9 +414,9 @@ def wrap_text_model_forward(original):
     def forward(self, *args, **kwargs):
         if PACKING_KWARG in kwargs:
             return original(self, *args, **kwargs)
-        group = getattr(self, CONTEXT_PARALLEL_ATTR, None)
-        if group is not None:
-            return _context_parallel().text_model_forward(original, signature, self, group, args, kwargs)
+        sharding = getattr(self, CONTEXT_PARALLEL_ATTR, None)
+        if sharding is not None:
+            return sharding.text_model_forward(original, signature, self, args, kwargs)
         ids = call_argument(signature, args, kwargs, "input_ids")
         embeds = call_argument(signature, args, kwargs, "inputs_embeds")
         ref = ids if ids is not None else embeds

@@ -44,7 +44,7 @@ def _cases(grad):
     return {
         "chunk_gated_delta_rule": (gdn_api._chunk_op.op, (q, k, v, gd, beta, h0, cu, 0.3, True, True, None, m, False)),
         "fused_recurrent_gated_delta_rule": (gdn_api._recurrent_op.op,
-                                             (q, k, v, gd, beta, None, None, 0.3, True, False, None, m, False)),
+                                             (q, k, v, gd, beta, None, None, 0.3, True, False, None, m, False, False)),
         "causal_conv1d_fn": (conv_api._conv_op.op, (x, w, b, init, None, None, True, "silu", None, [grad] * 4, False)),
         "causal_conv1d_update": (conv_api._conv_update_op,
                                  (x[..., :1].detach(), _r(2, 6, 4), w.detach(), b.detach(), "silu", None)),

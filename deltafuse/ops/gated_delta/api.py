@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from deltafuse import backends
@@ -112,13 +110,9 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
             check.fail("inplace_final_state=True is for inference, but autograd would differentiate this call "
                        "(an input requires grad); call it under torch.no_grad()")
     compiling = torch.compiler.is_compiling()
-    token = _INPLACE.on
-    _INPLACE.on = inplace and not compiling
-    try:
-        o, final, _ = _recurrent_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
-                                    bool(use_qk_l2norm_in_kernel), backend, mask, compiling)
-    finally:
-        _INPLACE.on = token
+    # a compiled graph's custom op declares no mutation: there the public op copies instead (below)
+    o, final, _ = _recurrent_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
+                                bool(use_qk_l2norm_in_kernel), backend, mask, compiling, inplace and not compiling)
     if inplace and final is not initial_state:
         final = initial_state.copy_(final)
     return o, (final if output_final_state else None)
@@ -128,7 +122,7 @@ _GDN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state")
 
 
 def _gdn_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel,
-              backend, grad_mask, validate):
+              backend, grad_mask, validate, inplace=False):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     final = None
@@ -166,17 +160,7 @@ def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 def _recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
                   output_final_state: bool, use_qk_l2norm_in_kernel: bool, backend: str | None,
-                  grad_mask: list[bool], validate: bool) -> list[torch.Tensor]:
+                  grad_mask: list[bool], validate: bool, inplace: bool) -> list[torch.Tensor]:
+    """``inplace``: the final state may be written over ``initial_state`` (eager inference calls only)."""
     return _gdn_run(RECURRENT, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                    use_qk_l2norm_in_kernel, backend, grad_mask, validate, _INPLACE.on)
-
-
-class _Inplace(threading.local):
-    """An eager call of the recurrent op asked for its final state over its initial state. Only eager calls
-    (the op's implementation run directly) set it: the custom op a compiled graph calls declares no mutation,
-    and the public op copies there instead."""
-
-    on = False
-
-
-_INPLACE = _Inplace()
+                    use_qk_l2norm_in_kernel, backend, grad_mask, validate, inplace)

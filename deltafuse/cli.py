@@ -1,7 +1,12 @@
 """The `deltafuse` command: info, verify, train, bench.
 
-User errors (an unknown subcommand or option, a bad argument value, a bad ``DELTAFUSE_*`` variable) print one
-line on stderr and exit with status 2, before anything heavy runs.
+Every argument is checked before anything heavy is imported: an unknown subcommand or option or a bad argument
+value prints one line on stderr and exits with status 2 without importing torch or transformers (the parser of
+a command is built only when that command is chosen, from modules that import neither). A bad ``DELTAFUSE_*``
+variable is the same one line and status 2, before a command builds anything.
+
+``python -m deltafuse.train``, ``python -m deltafuse.bench`` and ``python -m deltafuse.verify`` are these same
+commands.
 """
 
 from __future__ import annotations
@@ -13,10 +18,68 @@ import sys
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse with its usage errors on one line: ``prog: error: message (see prog --help)``, exit 2."""
+    """argparse with its usage errors on one line: ``prog: error: message (see prog --help)``, exit 2.
+
+    A subcommand's own mistakes are its own: ``deltafuse train --bogus`` says ``deltafuse train: error: ...
+    (see deltafuse train --help)``. A subcommand's arguments can be added only once it is chosen (``lazy``), and
+    options that need an expensive import to be known (transformers' TrainingArguments fields) only when the
+    command line has an option that may be one of them (``add_late_arguments``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _SubParsersAction)
+        self._build = None
+        self._late: list = []
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def lazy(self, build) -> None:
+        """Call ``build(self)`` to add this (sub)parser's arguments when the command line chooses it."""
+        self._build = build
+
+    def built(self) -> OneLineParser:
+        build, self._build = self._build, None
+        if build is not None:
+            build(self)
+        return self
+
+    def add_late_arguments(self, add, claims) -> None:
+        """Call ``add(self)`` before parsing when a command-line option that this parser does not have satisfies
+        ``claims(option)`` (without it, such options are unrecognized; the options ``add`` adds are parsed as if
+        they had been there from the start)."""
+        self._late.append((add, claims))
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        if self._late:
+            # the options not spelled exactly as one of this parser's (abbreviations too: ``claims`` decides)
+            unknown = [a.split("=", 1)[0] for a in args if a.startswith("--") and len(a) > 2
+                       and a.split("=", 1)[0] not in self._option_string_actions]
+            for add, claims in list(self._late):
+                if any(claims(opt) for opt in unknown):
+                    self._late.remove((add, claims))
+                    add(self)
+        return super().parse_known_args(args, namespace)
+
+
+class _SubParsersAction(argparse._SubParsersAction):
+    """The chosen subcommand's parser gets its arguments now (``OneLineParser.lazy``) and reports what it does
+    not recognize itself (argparse leaves that to the top-level parser, whose ``--help`` does not describe it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        name, arg_strings = values[0], values[1:]
+        chosen = self._name_parser_map[name]  # argparse has checked the name against the choices
+        if isinstance(chosen, OneLineParser):
+            chosen.built()
+        if self.dest is not argparse.SUPPRESS:
+            setattr(namespace, self.dest, name)
+        sub, extras = chosen.parse_known_args(arg_strings, None)
+        if extras:
+            chosen.error(f"unrecognized arguments: {' '.join(extras)}")
+        for key, value in vars(sub).items():
+            setattr(namespace, key, value)
 
 
 def check_environment(prog: str = "deltafuse") -> int:
@@ -46,15 +109,28 @@ def _info(args) -> int:
     return 0
 
 
+# command -> (module with add_arguments(parser) and run(args), light to import; the one-line help)
 LAZY = {
-    "verify": ("deltafuse.verify", "stock vs deltafuse: loss, logits and every gradient"),
+    "verify": ("deltafuse.verify_args", "stock vs deltafuse: loss, logits and every gradient"),
     "train": ("deltafuse.train.cli", "LoRA or full fine-tuning with padding-free packing"),
     "bench": ("deltafuse.bench.cli", "the ON/OFF experiment (e2e) and per-op timings (ops)"),
 }
 
 
+def _module_arguments(module_name: str):
+    def build(parser: argparse.ArgumentParser) -> None:
+        import importlib
+
+        module = importlib.import_module(module_name)
+        module.add_arguments(parser)
+        parser.set_defaults(func=module.run)
+
+    return build
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; only the module of ``command`` is imported (so `deltafuse info` stays light)."""
+    """The parser. A command's arguments are added when the command line chooses it (or now, for ``command``),
+    from a module that imports neither torch nor transformers."""
     from deltafuse import __version__
 
     parser = OneLineParser(prog="deltafuse", description=(
@@ -69,25 +145,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     for name, (module, help_text) in LAZY.items():
         p = sub.add_parser(name, help=help_text)
+        p.lazy(_module_arguments(module))
         if name == command:
-            _lazy_arguments(p, module)
+            p.built()
     return parser
 
 
-def _lazy_arguments(parser: argparse.ArgumentParser, module_name: str) -> None:
-    import importlib
-
-    module = importlib.import_module(module_name)
-    module.add_arguments(parser)
-    parser.set_defaults(func=module.run)
-
-
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str]) -> int:
     from deltafuse.config import SettingsError
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in LAZY else None)
+    parser = build_parser()
     args = parser.parse_args(argv)
     # every DELTAFUSE_* variable is parsed before a subcommand builds anything
     status = check_environment(f"deltafuse {args.command}")
@@ -98,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"deltafuse {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`deltafuse ARGS`; returns the exit status (argparse's refusals exit with 2 through SystemExit)."""
+    return _main(sys.argv[1:] if argv is None else list(argv))
+
+
+def command_main(command: str, argv: list[str] | None = None) -> int:
+    """`python -m deltafuse.COMMAND ARGS`: the same as `deltafuse COMMAND ARGS`."""
+    return main([command, *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

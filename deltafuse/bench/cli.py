@@ -1,4 +1,8 @@
-"""Arguments of `deltafuse bench e2e|ops` and its entry point (`run(args) -> exit code`)."""
+"""Arguments of `deltafuse bench e2e|ops` and its entry point (`run(args) -> exit code`).
+
+Only the chosen benchmark's arguments are built (``bench e2e`` needs neither torch nor transformers to check its
+command line; ``bench ops`` imports torch for the names of the ops it can time).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +10,32 @@ import argparse
 import sys
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from deltafuse.bench import e2e, ops
+def _e2e_arguments(parser: argparse.ArgumentParser) -> None:
+    from deltafuse.bench import e2e
 
+    e2e.add_arguments(parser)
+    parser.set_defaults(bench_func=e2e.run_e2e)
+
+
+def _ops_arguments(parser: argparse.ArgumentParser) -> None:
+    from deltafuse.bench import ops
+
+    ops.add_arguments(parser)
+    parser.set_defaults(bench_func=ops.run_ops)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Benchmarks: the ON/OFF training experiment (e2e) and per-op timings (ops)."
     sub = parser.add_subparsers(dest="bench_command", metavar="{e2e,ops}")
     sub.required = True
-    p = sub.add_parser("e2e", help="the same training stock (OFF) then deltafuse (ON): table, JSON and PNG")
-    e2e.add_arguments(p)
-    p.set_defaults(bench_func=e2e.run_e2e)
-    p = sub.add_parser("ops", help="per-op forward and forward+backward time and memory, per implementation")
-    ops.add_arguments(p)
-    p.set_defaults(bench_func=ops.run_ops)
+    for name, help_text, build in (
+            ("e2e", "the same training stock (OFF) then deltafuse (ON): table, JSON and PNG", _e2e_arguments),
+            ("ops", "per-op forward and forward+backward time and memory, per implementation", _ops_arguments)):
+        p = sub.add_parser(name, help=help_text)
+        if hasattr(p, "lazy"):  # deltafuse's own parser: built when the command line chooses it
+            p.lazy(build)
+        else:
+            build(p)
 
 
 def run(args) -> int:
@@ -38,6 +56,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltafuse.bench")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """`python -m deltafuse.bench ARGS`: the same as `deltafuse bench ARGS`."""
+    from deltafuse.cli import command_main
+
+    return command_main("bench", argv)

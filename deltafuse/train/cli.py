@@ -40,7 +40,7 @@ def _names(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `deltafuse train` flags (also used by `deltafuse bench e2e`, which forwards them)."""
-    from deltafuse.models import NAMED_MODELS
+    from deltafuse.model_names import NAMED_MODELS  # the names as plain data: no torch, no transformers
 
     parser.description = ("LoRA or full fine-tuning of a gated-delta-rule hybrid model on transformers' Trainer, "
                           "with padding-free packing, stock (--no-deltafuse) or patched (--deltafuse).")
@@ -184,6 +184,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltafuse.train")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """`python -m deltafuse.train ARGS`: the same as `deltafuse train ARGS`."""
+    from deltafuse.cli import command_main
+
+    return command_main("train", argv)

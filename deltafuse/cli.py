@@ -5,8 +5,10 @@ value prints one line on stderr and exits with status 2 without importing torch 
 a command is built only when that command is chosen, from modules that import neither). A bad ``DELTAFUSE_*``
 variable is the same one line and status 2, before a command builds anything.
 
-``python -m deltafuse.train``, ``python -m deltafuse.bench`` and ``python -m deltafuse.verify`` are these same
-commands.
+Ctrl-C anywhere (while importing, building a model, training, benchmarking) prints one line, ``deltafuse
+COMMAND: interrupted``, and exits with status 130; SIGTERM prints ``deltafuse COMMAND: terminated`` and exits
+with 143. Neither shows a traceback. ``python -m deltafuse.train``, ``python -m deltafuse.bench`` and
+``python -m deltafuse.verify`` are these same commands.
 """
 
 from __future__ import annotations
@@ -14,7 +16,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+
+COMMANDS = ("info", "verify", "train", "bench")
+SUBCOMMANDS = {"bench": ("e2e", "ops")}
+
+
+class Terminated(SystemExit):
+    """SIGTERM, raised in the main thread wherever it is, as Ctrl-C raises KeyboardInterrupt: every ``finally``
+    and context manager on the way out runs (a run's output directory is put back as it was). A SystemExit
+    with status 143, so ``except Exception`` does not swallow it and, uncaught, it ends the process quietly."""
+
+    def __init__(self):
+        super().__init__(EXIT_TERMINATED)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -151,6 +169,61 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _command_of(argv: list[str]) -> str:
+    """``deltafuse``, ``deltafuse train``, ``deltafuse bench e2e``: the command the line names, for the one line
+    of an interruption (which can come before the arguments are parsed)."""
+    words = ["deltafuse"]
+    if argv and argv[0] in COMMANDS:
+        words.append(argv[0])
+        rest = [a for a in argv[1:] if not a.startswith("-")]
+        if rest and rest[0] in SUBCOMMANDS.get(argv[0], ()):
+            words.append(rest[0])
+    return " ".join(words)
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def stopped(prog: str, exc: BaseException) -> int:
+    """Report an interruption (KeyboardInterrupt, with what it says, e.g. what a run kept) or a SIGTERM as one
+    line on stderr; returns the exit status, 130 or 143. Further Ctrl-Cs are ignored while the line is written."""
+    previous = _set_signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        what = "terminated" if isinstance(exc, Terminated) else "interrupted"
+        detail = "" if isinstance(exc, Terminated) else str(exc)
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        print(f"{prog}: {what}" + (f"; {detail}" if detail else ""), file=sys.stderr, flush=True)
+    finally:
+        _set_signal(signal.SIGINT, previous)
+    return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+
+
+def _set_signal(signum, handler):
+    """Install ``handler``; returns the previous one (None where signals cannot be set: not the main thread)."""
+    if handler is None:
+        return None
+    try:
+        return signal.signal(signum, handler)
+    except (ValueError, OSError):  # not the main thread of the main interpreter
+        return None
+
+
+def guarded(prog: str, body, *args) -> int:
+    """``body(*args)`` as a command: Ctrl-C (KeyboardInterrupt) and SIGTERM anywhere inside it become one line and
+    exit status 130 / 143 (``stopped``). SIGTERM's handler is this process's only while ``body`` runs."""
+    previous = _set_signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return body(*args)
+    except (KeyboardInterrupt, Terminated) as exc:
+        return stopped(prog, exc)
+    finally:
+        _set_signal(signal.SIGTERM, previous)
+
+
 def _main(argv: list[str]) -> int:
     from deltafuse.config import SettingsError
 
@@ -169,7 +242,8 @@ def _main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`deltafuse ARGS`; returns the exit status (argparse's refusals exit with 2 through SystemExit)."""
-    return _main(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return guarded(_command_of(argv), _main, argv)
 
 
 def command_main(command: str, argv: list[str] | None = None) -> int:

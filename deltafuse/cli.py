@@ -16,14 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
+import textwrap
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 
 COMMANDS = ("info", "verify", "train", "bench")
 SUBCOMMANDS = {"bench": ("e2e", "ops")}
+
+DESCRIPTION = ("Fast, correct gated-delta-rule hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) in transformers: "
+               "which implementation serves each op (info), stock vs deltafuse on one model (verify), fine-tuning "
+               "(train) and the ON/OFF and per-op benchmarks (bench).")
 
 
 class Terminated(SystemExit):
@@ -33,6 +39,51 @@ class Terminated(SystemExit):
 
     def __init__(self):
         super().__init__(EXIT_TERMINATED)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that a text of several lines (an epilog listing exit codes) keeps its lines:
+    each is wrapped on its own, an item's continuation lines under its text (``  130  interrupted``)."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" not in text:
+            return super()._fill_text(text, width, indent)
+        out = []
+        for line in text.splitlines():
+            item = re.match(r"( *\S+ +)(.*)$", line) if line.startswith(" ") else None
+            lead = indent + (item.group(1) if item else "")
+            body = item.group(2) if item else line
+            out.append(textwrap.fill(body, width, initial_indent=lead, subsequent_indent=" " * len(lead))
+                       if body else "")
+        return "\n".join(out)
+
+
+def exit_codes(*codes: tuple[int, str]) -> str:
+    """An epilog listing a command's exit codes, one line each."""
+    return "exit codes:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in codes)
+
+
+INTERRUPTED = (EXIT_INTERRUPTED, "interrupted (Ctrl-C): one line, no traceback")
+TERMINATED = (EXIT_TERMINATED, "terminated (SIGTERM): one line, no traceback")
+EPILOG = exit_codes(
+    (0, "success"),
+    (1, "a failure: verify found a tensor out of tolerance, or a training or benchmark run failed (its output "
+        "or traceback says why)"),
+    (2, "deltafuse cannot run as asked: one line on stderr naming the argument or DELTAFUSE_* variable, its "
+        "value and what is allowed"),
+    (3, "verify itself failed (its traceback is shown; not a verdict)"),
+    INTERRUPTED, TERMINATED,
+) + "\n`deltafuse COMMAND --help` describes each command and its exit codes."
+
+INFO_DESCRIPTION = ("Which implementation serves each op deltafuse routes, on each visible device, for training "
+                    "and for inference, and why every other candidate was rejected; with the versions of torch, "
+                    "Triton, transformers and FLA and the DELTAFUSE_* settings in effect. Builds no model.")
+INFO_EPILOG = exit_codes(
+    (0, "the report was printed"),
+    (1, "info itself failed (its traceback is shown)"),
+    (2, "a bad argument or DELTAFUSE_* variable: one line naming it, its value and what is allowed"),
+    INTERRUPTED, TERMINATED,
+)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -45,6 +96,7 @@ class OneLineParser(argparse.ArgumentParser):
     """
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", _SubParsersAction)
         self._build = None
@@ -151,13 +203,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from a module that imports neither torch nor transformers."""
     from deltafuse import __version__
 
-    parser = OneLineParser(prog="deltafuse", description=(
-        "Fast, correct gated-delta-rule hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) in transformers."))
+    parser = OneLineParser(prog="deltafuse", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"deltafuse {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{info,verify,train,bench}", parser_class=OneLineParser)
     sub.required = True
 
-    p = sub.add_parser("info", help="which implementation serves each op on each device, and why")
+    p = sub.add_parser("info", help="which implementation serves each op on each device, and why",
+                       description=INFO_DESCRIPTION, epilog=INFO_EPILOG)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_info)
 

@@ -11,13 +11,31 @@ import math
 import os
 import sys
 
+from deltafuse.cli import INTERRUPTED, TERMINATED, exit_codes
 from deltafuse.model_names import NAMED_MODELS, TINY_NAMES
 
 # --dtype spellings (deltafuse.verify.DTYPES maps each to its torch dtype)
 DTYPE_NAMES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
 SEED_LIMIT = 2**63 - 1  # the batch generator is seeded with seed + 1
 
+DESCRIPTION = ("Stock transformers vs deltafuse on one model and one random batch: forward and backward once "
+               "stock, once with deltafuse applied, then the loss, the logits and the gradient of every trainable "
+               "parameter compared (relative error against a tolerance). --packed gives deltafuse a padding-free "
+               "packed batch and compares it with stock runs of each sequence alone.")
+EPILOG = exit_codes(
+    (0, "every tensor is within tolerance"),
+    (1, "at least one tensor is out of tolerance (the report names each one); 1 means nothing else"),
+    (2, "verify cannot run as asked (a bad argument or DELTAFUSE_* variable, a forced backend that cannot serve "
+        "the device, a --model that is no supported model): one line on stderr naming it, its value and what is "
+        "allowed, before a model is built"),
+    (3, "verify itself failed (its traceback is shown; not a verdict)"),
+    INTERRUPTED, TERMINATED,
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
+    parser.epilog = EPILOG
     parser.add_argument("--model", default="tiny", metavar="NAME|PATH",
                         help=f"{', '.join(TINY_NAMES)} (CPU sizes), "
                              f"{', '.join(n for n in NAMED_MODELS if n not in TINY_NAMES)}, or a local HF model "
@@ -35,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """`deltafuse verify`: a --model that is neither a name nor a directory is refused here, before torch is
-    imported; then ``deltafuse.verify.run``."""
+    imported; then ``deltafuse.verify.run`` (exit codes: see EPILOG)."""
     problem = model_problem(args.model)
     if problem:
         print(f"deltafuse verify: error: {problem}", file=sys.stderr)

@@ -315,3 +315,39 @@ def test_unknown_option_points_at_its_own_commands_help(argv, prog, capsys):
     line = _one_line(capsys.readouterr().err)
     bogus = next(a for a in argv if a.startswith("--"))
     assert line == f"{prog}: error: unrecognized arguments: {bogus} (see {prog} --help)"
+
+
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, codes", [
+    ([], (0, 1, 2, 3, 130, 143)),
+    (["info"], (0, 1, 2, 130, 143)),
+    (["verify"], (0, 1, 2, 3, 130, 143)),
+    (["train"], (0, 1, 2, 130, 143)),
+    (["bench"], (0, 1, 2, 130, 143)),
+    (["bench", "e2e"], (0, 1, 2, 130, 143)),
+    (["bench", "ops"], (0, 1, 2, 130, 143)),
+])
+def test_every_command_has_a_description_and_its_exit_codes(argv, codes, capsys):
+    import re
+
+    text = _help(argv, capsys)
+    usage, description = text.split("\n\n")[:2]
+    assert usage.startswith("usage: deltafuse") and len(description.split()) >= 8, text
+    listed = text.split("exit codes:\n", 1)[1]
+    found = [int(m) for m in re.findall(r"^  (\d+) +\S", listed, flags=re.M)]
+    assert tuple(found) == codes, listed
+    assert "interrupted (Ctrl-C)" in listed and "terminated (SIGTERM)" in listed
+
+
+@pytest.mark.parametrize("argv", [[], ["info"], ["verify"], ["train"], ["bench"], ["bench", "e2e"],
+                                  ["bench", "ops"]])
+def test_help_points_at_no_file_a_user_does_not_have(argv, capsys):
+    text = _help(argv, capsys)
+    for name in ("DESIGN.md", "README", "BENCHMARKS.md", "benchmarks/", "tests/"):
+        assert name not in text, (argv, name)

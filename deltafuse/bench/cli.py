@@ -9,11 +9,37 @@ from __future__ import annotations
 import argparse
 import sys
 
+from deltafuse.cli import INTERRUPTED, TERMINATED, exit_codes
+
+BAD_INPUT = (2, "the benchmark cannot run as asked: one line on stderr naming the argument, file, directory or "
+                "DELTAFUSE_* variable, its value and what is allowed, before anything runs")
+E2E_EPILOG = exit_codes(
+    (0, "both runs (and every --peers run, ran or not) are done: e2e.md, e2e.json and e2e.png are in "
+        "--output-dir"),
+    (1, "the OFF or the ON run failed or recorded fewer steps than asked (the line says which, its output is "
+        "above), or the benchmark itself failed (its traceback is shown)"),
+    BAD_INPUT,
+    (INTERRUPTED[0], "interrupted (Ctrl-C): one line, no traceback; a previous benchmark in --output-dir is put "
+                     "back"),
+    TERMINATED,
+)
+OPS_EPILOG = exit_codes(
+    (0, "the table was printed (an implementation that cannot run a case is a row with the reason)"),
+    (1, "the benchmark itself failed (its traceback is shown)"),
+    BAD_INPUT, INTERRUPTED, TERMINATED,
+)
+EPILOG = exit_codes(
+    (0, "the benchmark finished"),
+    (1, "a run or the benchmark failed"),
+    BAD_INPUT, INTERRUPTED, TERMINATED,
+) + "\n`deltafuse bench e2e --help` and `deltafuse bench ops --help` say more."
+
 
 def _e2e_arguments(parser: argparse.ArgumentParser) -> None:
     from deltafuse.bench import e2e
 
     e2e.add_arguments(parser)
+    parser.epilog = E2E_EPILOG
     parser.set_defaults(bench_func=e2e.run_e2e)
 
 
@@ -21,11 +47,13 @@ def _ops_arguments(parser: argparse.ArgumentParser) -> None:
     from deltafuse.bench import ops
 
     ops.add_arguments(parser)
+    parser.epilog = OPS_EPILOG
     parser.set_defaults(bench_func=ops.run_ops)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Benchmarks: the ON/OFF training experiment (e2e) and per-op timings (ops)."
+    parser.epilog = EPILOG
     sub = parser.add_subparsers(dest="bench_command", metavar="{e2e,ops}")
     sub.required = True
     for name, help_text, build in (

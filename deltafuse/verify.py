@@ -45,7 +45,6 @@ to rounding, not bitwise.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -54,6 +53,9 @@ import sys
 
 import torch
 
+# the command line (arguments, help, exit codes) is deltafuse.verify_args, which imports no torch;
+# SEED_LIMIT: the batch generator is seeded with seed + 1
+from deltafuse.verify_args import SEED_LIMIT, add_arguments, model_problem  # noqa: F401 (add_arguments: API)
 from deltafuse.verify_report import Comparison, VerifyResult  # noqa: F401 (Comparison: part of this module's API)
 from deltafuse.verify_report import compare as _compare
 
@@ -68,7 +70,6 @@ ATOL_SCALE = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 # crosses a 64-token chunk boundary are included).
 PACKED_ROWS = ((23, 1, 66, 6), (40, 56))
 UNPACKED_SHAPE = (2, 70)
-SEED_LIMIT = 2**63 - 1  # the batch generator is seeded with seed + 1
 
 
 class VerifyError(ValueError):
@@ -161,8 +162,7 @@ def check_model_arg(name_or_path: str, trust_remote_code: bool = False) -> str:
         return family
     if name_or_path in models.NAMED_MODELS:
         return models.NAMED_MODELS[name_or_path].family
-    known = ", ".join(models.NAMED_MODELS)
-    raise VerifyError(f"--model {name_or_path!r} is neither a known name ({known}) nor a local directory")
+    raise VerifyError(model_problem(name_or_path))
 
 
 def _build(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int):
@@ -417,40 +417,6 @@ def _verify(model, name_or_path, family, packed, device, dtype, rtol, generator,
     return result
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from deltafuse import models
-
-    parser.add_argument("--model", default="tiny", metavar="NAME|PATH",
-                        help=f"{', '.join(models.TINY_NAMES)} (CPU sizes), dense8, moe8, or a local HF model directory "
-                             "(default: tiny)")
-    parser.add_argument("--packed", action="store_true",
-                        help="a packed batch (position_ids restarting) vs stock runs of each sequence alone")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default: cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default: float32")
-    parser.add_argument("--seed", type=_seed, default=0, help="weights and batch seed (default: 0)")
-    parser.add_argument("--rtol", type=_tolerance, default=None,
-                        help="relative tolerance, a finite number > 0 (default: 1e-4 fp32 CPU, 2e-3 fp32 CUDA, "
-                             "5e-2 bf16, 1e-2 fp16)")
-
-
-def _tolerance(text: str) -> float:
-    try:
-        return check_rtol("--rtol", text)
-    except VerifyError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("--rtol=", "")) from None
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: 0 <= seed < 2**63 - 1") from None
-    if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: 0 <= seed < 2**63 - 1")
-    return value
-
-
 # exit codes: 0 every tensor within tolerance, 1 out of tolerance, 2 verify cannot run as asked (one line on
 # stderr), 3 verify itself failed (a bug: the traceback is shown)
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CRASH = 0, 1, 2, 3
@@ -486,12 +452,10 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    from deltafuse.cli import OneLineParser, check_environment
+    """`python -m deltafuse.verify ARGS`: the same as `deltafuse verify ARGS`."""
+    from deltafuse.cli import command_main
 
-    parser = OneLineParser(prog="deltafuse verify", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return check_environment("deltafuse verify") or run(args)
+    return command_main("verify", argv)
 
 
 if __name__ == "__main__":

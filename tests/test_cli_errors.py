@@ -194,3 +194,160 @@ def test_errors_from_a_real_process_are_one_line():
         assert proc.returncode == 2, (argv, extra, proc.stderr)
         assert words in _one_line(proc.stderr)
         assert proc.stdout == ""
+
+
+# --- checked before anything heavy is imported ---------------------------------------------------------------
+HEAVY = ("transformers", "peft", "trl", "accelerate", "scipy", "datasets")
+# what a line that argparse (or `verify --model`) refuses imports nothing of, torch included
+HEAVY_AND_TORCH = HEAVY + ("torch", "triton", "numpy")
+_IMPORTS_OF = """
+import json, sys
+from deltafuse.cli import main
+try:
+    rc = main(sys.argv[1:])
+except SystemExit as exc:
+    rc = exc.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & set(json.loads(os_heavy)))
+print(json.dumps({"rc": rc, "imported": heavy}))
+"""
+
+
+def _fresh_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DELTAFUSE_", "TWINKLE_NPU_"))}
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _imports_of(argv: list[str], heavy: tuple[str, ...]) -> tuple[int, list[str], str]:
+    """(exit status, the modules of ``heavy`` that ``deltafuse ARGV`` imported, its stderr), in a fresh process."""
+    import json
+
+    code = f"os_heavy = {json.dumps(json.dumps(heavy))}\n" + _IMPORTS_OF
+    proc = subprocess.run([sys.executable, "-c", code, *argv], env=_fresh_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result["rc"], result["imported"], proc.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--bogus-flag"], "deltafuse train: error: unrecognized arguments: --bogus-flag"),
+    (["train", "--seq-len", "abc"], "argument --seq-len: 'abc' is not an integer"),
+    (["train", "--modle", "tiny"], "unrecognized arguments: --modle tiny"),  # a one-word typo
+    (["train", "--bogus_flag", "1"], "unrecognized arguments: --bogus_flag 1"),  # not a TrainingArguments field
+    (["bench", "e2e", "--max-steps", "0"], "argument --max-steps: 0 is too small"),
+    (["bench", "e2e", "--bogus"], "deltafuse bench e2e: error: unrecognized arguments: --bogus"),
+    (["verify", "--model", "nope"], "--model 'nope' is neither a known name (tiny,"),
+    (["verify", "--rtol", "nan"], "argument --rtol: 'nan' is not allowed"),
+    (["info", "--bogus"], "deltafuse info: error: unrecognized arguments: --bogus"),
+    (["bogus"], "invalid choice: 'bogus'"),
+])
+def test_a_bad_command_line_imports_neither_torch_nor_transformers(argv, words):
+    rc, imported, err = _imports_of(argv, HEAVY_AND_TORCH)
+    assert rc == 2 and words in _one_line(err)
+    assert imported == [], f"{argv} imported {imported} before refusing the command line"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "ops", "--bogus"], "deltafuse bench ops: error: unrecognized arguments: --bogus"),  # ops' names: torch
+    (["train", "--model", "nope", "--output-dir", "{tmp}/o"], "--model 'nope' is neither a known model name"),
+    (["bench", "e2e", "--context-parallel", "2", "--output-dir", "{tmp}/o"], "--context-parallel 2 with bench e2e"),
+])
+def test_input_errors_are_refused_before_transformers_is_imported(argv, words, tmp_path):
+    rc, imported, err = _imports_of([a.format(tmp=tmp_path) for a in argv], HEAVY)
+    assert rc == 2 and words in _one_line(err)
+    assert imported == [], f"{argv} imported {imported} before refusing its input"
+    assert not (tmp_path / "o").exists()
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    for argv in (["--help"], ["train", "--help"], ["verify", "--help"], ["bench", "e2e", "--help"]):
+        rc, imported, err = _imports_of(argv, HEAVY_AND_TORCH)
+        assert (rc, imported, err) == (0, [], ""), argv
+
+
+def test_a_trainingarguments_option_is_still_passed_through():
+    """Its names come from transformers, imported only when the command line has an option that may be one."""
+    from deltafuse.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--gradient_accumulation_steps", "4", "--no_dataloader_pin_memory",
+                                        "--lr", "1e-3"])
+    assert vars(args)["hf:--gradient_accumulation_steps"] == ["--gradient_accumulation_steps", "4"]
+    assert vars(args)["hf:--no_dataloader_pin_memory"] == ["--no_dataloader_pin_memory"] and args.lr == 1e-3
+    e2e = build_parser().parse_args(["bench", "e2e", "--weight_decay", "0.1"])
+    assert vars(e2e)["hf:--weight_decay"] == ["--weight_decay", "0.1"]
+
+
+def test_trainingarguments_fields_read_without_transformers_match_its_parser():
+    """The source-read field names that decide whether transformers is imported cover every passed-through
+    option, and nothing else counts as one."""
+    from deltafuse.train import hfargs
+
+    options = hfargs.passthrough_options()
+    assert hfargs._source_fields() is not None
+    assert all(hfargs.may_be_passthrough(opt) for opt in options)
+    assert not any(hfargs.may_be_passthrough(opt) for opt in ("--bogus", "--modle", "--no_bogus", "--bogus-flag"))
+
+
+def test_named_model_names_as_data_are_the_models():
+    from deltafuse import model_names
+
+    assert model_names.NAMED_MODELS == tuple(models.NAMED_MODELS)
+    assert model_names.TINY_NAMES == models.TINY_NAMES
+    from deltafuse import verify_args
+
+    assert set(verify_args.DTYPE_NAMES) == set(verify.DTYPES)
+
+
+# --- a subcommand's errors and help are its own ------------------------------------------------------------
+@pytest.mark.parametrize("argv, prog", [
+    (["info", "--bogus"], "deltafuse info"),
+    (["verify", "--bogus"], "deltafuse verify"),
+    (["train", "--bogus-flag"], "deltafuse train"),
+    (["bench", "--bogus", "e2e"], "deltafuse bench"),
+    (["bench", "e2e", "--bogus"], "deltafuse bench e2e"),
+    (["bench", "ops", "--bogus"], "deltafuse bench ops"),
+    (["--bogus", "info"], "deltafuse"),
+])
+def test_unknown_option_points_at_its_own_commands_help(argv, prog, capsys):
+    assert _exit_code(argv) == 2
+    line = _one_line(capsys.readouterr().err)
+    bogus = next(a for a in argv if a.startswith("--"))
+    assert line == f"{prog}: error: unrecognized arguments: {bogus} (see {prog} --help)"
+
+
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, codes", [
+    ([], (0, 1, 2, 3, 130, 143)),
+    (["info"], (0, 1, 2, 130, 143)),
+    (["verify"], (0, 1, 2, 3, 130, 143)),
+    (["train"], (0, 1, 2, 130, 143)),
+    (["bench"], (0, 1, 2, 130, 143)),
+    (["bench", "e2e"], (0, 1, 2, 130, 143)),
+    (["bench", "ops"], (0, 1, 2, 130, 143)),
+])
+def test_every_command_has_a_description_and_its_exit_codes(argv, codes, capsys):
+    import re
+
+    text = _help(argv, capsys)
+    usage, description = text.split("\n\n")[:2]
+    assert usage.startswith("usage: deltafuse") and len(description.split()) >= 8, text
+    listed = text.split("exit codes:\n", 1)[1]
+    found = [int(m) for m in re.findall(r"^  (\d+) +\S", listed, flags=re.M)]
+    assert tuple(found) == codes, listed
+    assert "interrupted (Ctrl-C)" in listed and "terminated (SIGTERM)" in listed
+
+
+@pytest.mark.parametrize("argv", [[], ["info"], ["verify"], ["train"], ["bench"], ["bench", "e2e"],
+                                  ["bench", "ops"]])
+def test_help_points_at_no_file_a_user_does_not_have(argv, capsys):
+    text = _help(argv, capsys)
+    for name in ("DESIGN.md", "README", "BENCHMARKS.md", "benchmarks/", "tests/"):
+        assert name not in text, (argv, name)

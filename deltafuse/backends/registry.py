@@ -25,8 +25,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 
 class BackendError(RuntimeError):
     """No candidate can serve a call, or a forced backend cannot."""
@@ -70,6 +68,8 @@ class CallInfo:
 def call_info(*tensors: torch.Tensor | None) -> CallInfo:
     """CallInfo of an op call from its tensor arguments (the first tensor gives device and dtype; the shapes
     of all of them, in order, give the op's shape facts)."""
+    import torch  # here, not at the top: `import deltafuse` (and so the CLI's argument checks) stays torch-free
+
     first = next(t for t in tensors if t is not None)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     shapes = tuple(None if t is None else t.shape for t in tensors)

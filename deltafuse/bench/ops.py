@@ -333,8 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="op to time (repeatable; default: every op in deltafuse's registry)")
     parser.add_argument("--shape", action="append", type=_shape, default=None, metavar="B,T,H,HV,D",
                         help=f"shape of the GDN and conv ops ({', '.join(GDN_OPS)}) (repeatable; default: "
-                             f"{' '.join(CPU_SHAPES)} on CPU, the DESIGN.md reference shapes "
-                             f"{' '.join(GPU_SHAPES)} on CUDA)")
+                             f"{' '.join(CPU_SHAPES)} on CPU; on CUDA the Qwen3.5-35B-A3B GDN heads (H=16, HV=32, "
+                             f"D=128) at 4k to 64k tokens: {' '.join(GPU_SHAPES)})")
     parser.add_argument("--tokens", metavar="N", type=int_at_least(2), default=None,
                         help=f"tokens of the other ops' cases ({', '.join(SIZED_DIMS)}) (default: {GPU_TOKENS} "
                              f"at Qwen3.5-35B-A3B sizes on CUDA, {CPU_TOKENS} at small sizes on CPU)")

@@ -274,4 +274,6 @@ def ran_note(run: str, report: dict) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(child_main())
+    from deltafuse.cli import guarded  # standard library only: Ctrl-C / SIGTERM here are one line, 130 / 143
+
+    raise SystemExit(guarded("deltafuse bench e2e", child_main))

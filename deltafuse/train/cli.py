@@ -8,7 +8,18 @@ import logging
 import sys
 
 from deltafuse.argtypes import int_at_least as _int_at_least
+from deltafuse.cli import INTERRUPTED, TERMINATED, exit_codes
 from deltafuse.train.errors import TrainInputError
+
+EPILOG = exit_codes(
+    (0, "the run finished: the adapter or model, metrics.jsonl and summary.json are in --output-dir"),
+    (1, "training failed (its traceback is shown)"),
+    (2, "training cannot run as asked: one line on stderr naming the argument, file, row, directory or "
+        "DELTAFUSE_* variable, its value and what is allowed"),
+    (INTERRUPTED[0], "interrupted (Ctrl-C): one line, no traceback; once the run has started it says what "
+                     "--output-dir holds (checkpoints kept, or a previous run put back)"),
+    TERMINATED,
+)
 
 
 def _positive_float(text: str) -> float:
@@ -50,10 +61,11 @@ def _names(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `deltafuse train` flags (also used by `deltafuse bench e2e`, which forwards them)."""
-    from deltafuse.models import NAMED_MODELS
+    from deltafuse.model_names import NAMED_MODELS  # the names as plain data: no torch, no transformers
 
     parser.description = ("LoRA or full fine-tuning of a gated-delta-rule hybrid model on transformers' Trainer, "
                           "with padding-free packing, stock (--no-deltafuse) or patched (--deltafuse).")
+    parser.epilog = EPILOG
     g = parser.add_argument_group("model and data")
     g.add_argument("--model", default="tiny", metavar="NAME|DIR",
                    help=f"a named random-init config ({', '.join(NAMED_MODELS)}) or a local Hugging Face model "
@@ -210,6 +222,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltafuse.train")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """`python -m deltafuse.train ARGS`: the same as `deltafuse train ARGS`."""
+    from deltafuse.cli import command_main
+
+    return command_main("train", argv)

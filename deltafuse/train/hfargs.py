@@ -10,6 +10,8 @@ setting can be given twice with two values.
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 
 from deltafuse.train.errors import TrainInputError
 
@@ -73,16 +75,71 @@ class _Raw(argparse.Action):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The TrainingArguments options, in their own help group (the options themselves are not listed).
+
+    Knowing their names imports transformers: on a parser that can add options late (``deltafuse.cli``'s
+    ``OneLineParser.add_late_arguments``) they are added only when the command line has an option the parser
+    does not have that may be one (``may_be_passthrough``: the field names read from transformers' source), so
+    a command line without one, a mistyped deltafuse flag included, is checked without importing transformers;
+    on any other parser they are added now.
+    """
     group = parser.add_argument_group(
         "transformers TrainingArguments",
         "any TrainingArguments field as --field_name VALUE (e.g. --gradient_accumulation_steps 4, --weight_decay "
         "0.1, --eval_strategy steps --eval_steps 20 with --eval-data, --report_to tensorboard, --fsdp full_shard, "
         "--optim adamw_torch_fused); the fields deltafuse's own flags set are refused in this spelling")
-    for opt in passthrough_options():
-        if opt in parser._option_string_actions:  # --seed: deltafuse's own flag, the same meaning
-            continue
-        group.add_argument(opt, dest=PREFIX + opt, nargs="*", action=_Raw, default=argparse.SUPPRESS,
-                           help=argparse.SUPPRESS)
+
+    def add_options(parser: argparse.ArgumentParser) -> None:
+        for opt in passthrough_options():
+            if opt in parser._option_string_actions:  # --seed: deltafuse's own flag, the same meaning
+                continue
+            group.add_argument(opt, dest=PREFIX + opt, nargs="*", action=_Raw, default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS)
+
+    late = getattr(parser, "add_late_arguments", None)
+    if late is None:
+        add_options(parser)
+    else:
+        late(add_options, claims=may_be_passthrough)
+
+
+def may_be_passthrough(option: str) -> bool:
+    """Whether ``option`` (``--name``) may be a TrainingArguments option, answered without importing transformers:
+    ``--field`` or ``--no_field`` for a field of its source, or, when the source cannot be read that way, any
+    ``--name`` without a hyphen (then transformers' parser decides)."""
+    name = option[2:] if option.startswith("--") else None
+    if not name or "-" in name:
+        return False
+    fields = _source_fields()
+    if fields is None:
+        return True
+    return name in fields or (name.startswith("no_") and name[3:] in fields)
+
+
+@functools.lru_cache(maxsize=1)
+def _source_fields() -> frozenset[str] | None:
+    """The fields of ``transformers.TrainingArguments`` read from its source file (``ast``; transformers itself
+    is not imported), or None when they cannot be read there with certainty (not found, not a plain dataclass
+    without base classes)."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("transformers")
+        if spec is None or not spec.origin:
+            return None
+        with open(os.path.join(os.path.dirname(spec.origin), "training_args.py"), encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError, ImportError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "TrainingArguments":
+            if node.bases or node.keywords:
+                return None
+            fields = frozenset(n.target.id for n in node.body
+                               if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))
+            return fields or None
+    return None
 
 
 def given(args) -> list[list[str]]:

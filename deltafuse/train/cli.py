@@ -216,8 +216,10 @@ def run(args) -> int:
         return 2
     except KeyboardInterrupt as exc:
         _ignore_signals_while_exiting()
-        print(f"deltafuse train: interrupted{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
-        return getattr(exc, "exit_code", 130)  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
+        code = getattr(exc, "exit_code", 130)  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
+        what = "terminated" if code == 143 else "interrupted"  # the words of deltafuse.cli's own one line
+        print(f"deltafuse train: {what}{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
+        return code
     return 0
 
 

@@ -75,7 +75,7 @@ def test_a_signal_saves_a_checkpoint_and_the_printed_command_continues_the_run(t
     line = lines[0]
     step = records(out)[-1]["step"]
     ckpt = os.path.join(out, f"checkpoint-{step}")
-    assert line.startswith("deltafuse train: interrupted; "), line
+    assert line.startswith(f"deltafuse train: {'terminated' if signum == signal.SIGTERM else 'interrupted'}; "), line
     assert f"after step {step} of 30: saved checkpoint {ckpt}; continue with: " in line, line
     assert 1 <= step < 30 and [r["step"] for r in records(out)] == list(range(1, step + 1))
     assert outdir.check_checkpoint(ckpt, "lora") == step  # complete: weights, optimizer, scheduler, state
@@ -168,7 +168,7 @@ def test_a_signal_before_the_first_step_leaves_the_directory_ready_for_the_same_
         rc = main(args)
     err = capsys.readouterr().err
     assert rc == 143, err
-    assert own_lines(err) == [f"deltafuse train: interrupted; stopped before the first step: nothing was saved in "
+    assert own_lines(err) == [f"deltafuse train: terminated; stopped before the first step: nothing was saved in "
                               f"{out!r}; run the same command again"]
     assert outdir.run_entries(out) == []  # its arguments file is gone: nothing blocks the rerun
     assert main(args) == 0 and [r["step"] for r in records(out)] == [1, 2]

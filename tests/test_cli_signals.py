@@ -132,10 +132,10 @@ def test_an_interruption_keeps_what_it_says(monkeypatch, capsys):
 
 
 def test_the_training_commands_own_interruption_line_is_not_replaced(monkeypatch, capsys):
-    from deltafuse.train import trainer
+    from deltafuse.train import stopping, trainer
 
     def interrupted(args):
-        raise trainer.Interrupted("checkpoints so far are in 'o' (latest checkpoint-3); --resume continues")
+        raise stopping.Interrupted("checkpoints so far are in 'o' (latest checkpoint-3); --resume continues")
 
     monkeypatch.setattr(trainer, "train", interrupted)
     assert cli.main(["train", "--output-dir", "o"]) == 130

@@ -202,7 +202,7 @@ def _ignore_signals_while_exiting() -> None:
 def run(args) -> int:
     """Train; bad input prints one line naming the argument/file and what is allowed, and returns 2.
 
-    Ctrl-C prints one line saying what was kept (see ``trainer.Interrupted``) and returns 130 (143 for SIGTERM).
+    Ctrl-C prints one line saying what was kept (see ``stopping.Interrupted``) and returns 130 (143 for SIGTERM).
     """
     from deltafuse.config import SettingsError
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from deltafuse.train import outdir, setup
+from deltafuse.train import outdir, setup, stopping
 from deltafuse.train import trainer as trainer_mod
 from deltafuse.train.cli import main
 
@@ -260,7 +260,7 @@ def test_every_state_a_run_leaves_has_one_way_forward(finished, tmp_path, capsys
 
 
 def test_the_continue_command_is_the_given_one_with_resume_latest():
-    cc = trainer_mod.continue_command
+    cc = stopping.continue_command
     py = os.path.basename(sys.executable)
     py = py if shutil.which(py) == sys.executable else sys.executable
     main_py = os.path.join(ROOT, "deltafuse", "__main__.py")

@@ -27,7 +27,8 @@ import torch
 
 from deltafuse import backends
 from deltafuse.config import load_settings, resolve
-from deltafuse.integrations.transformers import PATCHER, PatchReport
+from deltafuse.integrations.transformers.patcher import PatchReport
+from deltafuse.maps import PATCHER
 from deltafuse.integrations.transformers import context_parallel as _context_parallel
 
 __all__ = ["apply", "revert", "patched", "PatchReport", "UnsupportedModelError", "find_model"]

@@ -229,7 +229,7 @@ def preflight(name_or_path: str | None, device: torch.device, dtype: torch.dtype
     FileNotFoundError."""
     from deltafuse.backends import current_backend
     from deltafuse.config import load_settings
-    from deltafuse.integrations.transformers import PATCHER
+    from deltafuse.maps import PATCHER
 
     settings = load_settings()  # SettingsError names the variable, the value and what is allowed
     if not settings.patch:

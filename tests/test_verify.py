@@ -10,7 +10,8 @@ import torch
 
 from deltafuse import patching, verify, verify_report
 from deltafuse.cli import main
-from deltafuse.integrations.transformers import PATCHER, adapters
+from deltafuse.integrations.transformers import adapters
+from deltafuse.maps import PATCHER
 from deltafuse.models import TINY_NAMES, build_model
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")

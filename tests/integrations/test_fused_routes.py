@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltafuse import patching
-from deltafuse.integrations.transformers import FAMILY_MAPS
+from deltafuse.maps import FAMILY_MAPS
 from deltafuse.integrations.transformers import adapters_fused as af
 from deltafuse.integrations.transformers.patcher import FamilyMap, Patcher, Route
 from deltafuse.models import TINY_NAMES, build_model

@@ -11,7 +11,8 @@ import torch
 from deltafuse import backends, patching
 from deltafuse.backends import REGISTRY, Candidate
 from deltafuse.config import SettingsError
-from deltafuse.integrations.transformers import FAMILY_MAPS, PATCHER, adapters
+from deltafuse.integrations.transformers import adapters
+from deltafuse.maps import FAMILY_MAPS, PATCHER
 from deltafuse.integrations.transformers import packing as pk
 from deltafuse.models import TINY_NAMES, build_model
 from tests.integrations import (RTOL, assert_same_objects, family_modules, grads, packed_inputs, rel_max,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltafuse import ops, patching
-from deltafuse.integrations.transformers import PATCHER
+from deltafuse.maps import PATCHER
 from deltafuse.integrations.trainer import DeltafuseCallback
 from deltafuse.models import build_model
 from tests.integrations import RTOL, assert_grads_close, assert_same_objects, snapshot

@@ -18,4 +18,13 @@ LIBRARY_MAPS: tuple[FamilyMap, ...] = (trl.MAP, peft.MAP)
 
 PATCHER = Patcher(FAMILY_MAPS + LIBRARY_MAPS)
 
-__all__ = ["FAMILY_MAPS", "LIBRARY_MAPS", "PATCHER"]
+# The ops a training step reaches through each switch's routes: the report's one line says which implementation
+# each picks on the model's device (``deltafuse info`` lists every op, decoding ones included).
+SWITCH_OPS: dict[str, tuple[str, ...]] = {
+    "gdn": ("chunk_gated_delta_rule", "causal_conv1d_fn"),
+    "fused_ops": ("rms_norm_zero_centered", "rms_norm_gated", "apply_rotary_pos_emb", "swiglu",
+                  "fused_linear_cross_entropy"),
+    "moe": ("moe_experts",),
+}
+
+__all__ = ["FAMILY_MAPS", "LIBRARY_MAPS", "PATCHER", "SWITCH_OPS"]

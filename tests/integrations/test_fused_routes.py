@@ -453,7 +453,7 @@ def test_switch_off_applies_none_of_its_rows(monkeypatch, env, switch):
 def test_report_lists_the_rows():
     model = _model("tiny-moe")
     report = patching.apply(model)
-    text = str(report)
+    text = report.details()
     for fmap in FAMILY_MAPS:
         for route in fmap.routes:
             if route.switch != "gdn" and route.kind != "instance":

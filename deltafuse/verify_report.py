@@ -21,8 +21,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 # the absolute floor passes a tensor only while its error is at most this fraction of its largest stock value
-# (rel <= FLOOR_REL): a zero, sign-flipped or badly scaled result fails however small the reference is
-FLOOR_REL = 0.25
+# (rel <= FLOOR_REL): a zero (rel 1), sign-flipped (2) or doubled (1) result fails however small the reference
+# is. Measured on the tensors that passed on the floor: rel up to 1.1e-2 (CPU fp32), 5.3e-2 (CPU fp16) and 0.107
+# (H200 fp32, tiny packed: A_log / dt_bias of layer 0, whose stock values are 1.7x the floor itself)
+FLOOR_REL = 0.5
 CRITERIA = ("rel", "floor", "both None", "empty")
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltafuse.integrations.transformers import FAMILY_MAPS, FamilyMap
+from deltafuse.integrations.transformers.patcher import FamilyMap
+from deltafuse.maps import FAMILY_MAPS
 
 FAMILIES: dict[str, FamilyMap] = {m.family: m for m in FAMILY_MAPS}
 # the CPU-sized test model of every family, in the order of the maps

@@ -27,7 +27,8 @@ import torch
 
 from deltafuse import backends
 from deltafuse.config import load_settings, resolve
-from deltafuse.integrations.transformers import PATCHER, PatchReport
+from deltafuse.integrations.transformers.patcher import PatchReport
+from deltafuse.maps import PATCHER, SWITCH_OPS
 from deltafuse.integrations.transformers import context_parallel as _context_parallel
 
 __all__ = ["apply", "revert", "patched", "PatchReport", "UnsupportedModelError", "find_model"]
@@ -170,9 +171,13 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
         families, rows, notes = PATCHER.apply(switches, target)
         if context_parallel is not None:
             _context_parallel.register(target, context_parallel)
+        report.serving_on, report.serving = _serving(target, switches)
     report.families = families
     report.rows = rows
     report.notes.extend(notes)
+    report.titles = {m.family: m.title or m.family for m in PATCHER.maps}
+    if target is not None:
+        report.model_family = _family_of(target)
     for switch, what in (("fused_ops", "norm, RoPE, SwiGLU and loss"), ("moe", "experts")):
         if not getattr(settings, switch):
             report.notes.append(f"{switch} is off: the {what} routes were not applied")
@@ -183,6 +188,48 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
                             "keeps the ops its layers cached (this transformers caches them per layer): call "
                             "apply(model) to re-bind them")
     return report
+
+
+def _family_of(module: torch.nn.Module) -> str | None:
+    names = {m.module: m.family for m in PATCHER.maps if m.models}
+    for m in module.modules():
+        for cls in type(m).__mro__:
+            family = names.get(getattr(cls, "__module__", None))
+            if family is not None:
+                return family
+    return None
+
+
+def _serving(target, switches: dict) -> tuple[str | None, dict]:
+    """(device and dtype described, {switch: {op: implementation}}) for a training call: on the model's first
+    floating-point parameter's device and dtype, or without a model on the first accelerator (bf16) else the
+    CPU (fp32), as ``deltafuse info`` shows them."""
+    from deltafuse.backends import probes
+    from deltafuse.backends.registry import CallInfo
+
+    device = dtype = None
+    if target is not None:
+        param = next((p for p in target.parameters() if p.is_floating_point()), None)
+        if param is None or param.device.type == "meta":
+            return None, {}
+        device, dtype = param.device, param.dtype
+    else:
+        devices = [d for d in probes.visible_devices() if d.type != "cpu"] or [torch.device("cpu")]
+        device = devices[0]
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    call = CallInfo(device, dtype, True)
+    forced = backends.current_backend()
+    serving: dict = {}
+    for switch, ops in SWITCH_OPS.items():
+        if not switches.get(switch):
+            continue
+        for op in ops:
+            try:
+                decisions = backends.REGISTRY.explain(op, call, forced)
+            except KeyError:  # an op this build does not register
+                continue
+            serving.setdefault(switch, {})[op] = next((d.candidate for d in decisions if d.chosen), "none")
+    return f"{device} {str(dtype).replace('torch.', '')}", serving
 
 
 def revert() -> PatchReport:
@@ -196,7 +243,8 @@ def revert() -> PatchReport:
 
 
 def _revert_report(rows) -> PatchReport:
-    report = PatchReport(enabled=True, settings={}, transformers=_transformers_version(), action="revert")
+    report = PatchReport(enabled=True, settings={}, transformers=_transformers_version(), action="revert",
+                         titles={m.family: m.title or m.family for m in PATCHER.maps})
     report.rows = rows
     if not rows:
         report.notes.append("nothing was patched")

@@ -49,7 +49,7 @@ def one_thread(monkeypatch):
 def clean_deltafuse(monkeypatch, one_thread):
     """No deltafuse switch from the caller's environment, nothing patched before or after the test."""
     from deltafuse import backends, patching
-    from deltafuse.integrations.transformers import PATCHER
+    from deltafuse.maps import PATCHER
 
     for name in DELTAFUSE_ENV:
         monkeypatch.delenv(name, raising=False)

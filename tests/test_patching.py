@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltafuse import patching
-from deltafuse.integrations.transformers import PATCHER
+from deltafuse.maps import PATCHER
 
 
 class SupportedLayer(torch.nn.Linear):

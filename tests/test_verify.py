@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from deltafuse import patching, verify
+from deltafuse import patching, verify, verify_report
 from deltafuse.cli import main
-from deltafuse.integrations.transformers import PATCHER, adapters
+from deltafuse.integrations.transformers import adapters
+from deltafuse.maps import PATCHER
 from deltafuse.models import TINY_NAMES, build_model
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -109,6 +110,81 @@ def test_fails_on_a_wrong_gradient(monkeypatch):
     failing = {c.name for c in result.failures}
     assert "loss" not in failing and "logits" not in failing
     assert any(n.startswith("grad model.layers.0.linear_attn") for n in failing)
+
+
+# --- which criterion each tensor passed on, and the absolute floor's bound ---------------------------------
+def test_compare_names_the_criterion():
+    ref = torch.tensor([1e-6, -2e-6, 5e-7], dtype=torch.float64)
+    on_rel = verify_report.compare("grad w", ref * (1 + 1e-6), ref, rtol=1e-4, atol=1e-7)
+    assert on_rel.ok and on_rel.passed_on == "rel" and on_rel.ref_max == pytest.approx(2e-6)
+    # rel 5e-3 > rtol, but the error (1e-8) is within the floor and a small fraction of the reference
+    on_floor = verify_report.compare("grad w", ref + torch.tensor([0.0, 1e-8, 0.0], dtype=torch.float64), ref,
+                                     rtol=1e-4, atol=1e-7)
+    assert on_floor.ok and on_floor.passed_on == "floor" and on_floor.rel == pytest.approx(5e-3)
+    no_floor = verify_report.compare("logits", ref + 1e-8, ref, rtol=1e-4, atol=0.0)
+    assert not no_floor.ok and no_floor.passed_on == ""
+    both_none = verify_report.compare("grad w", None, None, rtol=1e-4, atol=1e-7)
+    assert both_none.ok and both_none.passed_on == "both None"
+
+
+@pytest.mark.parametrize("wrong", ["zero", "sign", "double"])
+def test_floor_does_not_pass_a_result_that_misses_the_reference(wrong):
+    """A reference below the floor: a zero, sign-flipped or doubled result is within the floor in absolute
+    terms, but it does not resolve the reference at all (rel 1, 2, 1), so it fails."""
+    ref = torch.tensor([1e-6, -2e-6, 5e-7], dtype=torch.float64)
+    got = {"zero": torch.zeros_like(ref), "sign": -ref, "double": 2 * ref}[wrong]
+    c = verify_report.compare("grad A_log", got, ref, rtol=5e-2, atol=4e-5)  # a bf16 run's floor
+    assert c.max_abs <= 4e-5 and not c.ok and c.passed_on == ""
+
+
+def test_report_says_which_criterion_each_tensor_passed_on():
+    result = verify.verify_model("tiny")
+    assert result.ok, result.format()
+    by = {c.name: c for c in result.comparisons}
+    for c in result.comparisons:
+        if c.rel <= result.rtol:
+            assert c.passed_on == "rel", c
+        else:  # passed on the floor: a gradient, within it, with rel bounded
+            assert c.passed_on == "floor" and c.name.startswith("grad ") and c.max_abs <= result.atol, c
+            assert c.rel <= result.floor_rel
+    floor = [c for c in result.comparisons if c.passed_on == "floor"]
+    assert floor, "the tiny model's A_log / dt_bias gradients are expected to pass on the floor in fp32"
+    assert result.grad_scale == max(c.ref_max for c in result.comparisons if c.name.startswith("grad "))
+    assert result.atol == pytest.approx(1e-6 * result.grad_scale)
+    lines = result.format().splitlines()
+    rows = {line.split()[1]: line for line in lines if line.startswith("grad ")}
+    for c in result.comparisons[2:]:
+        assert rows[c.name[5:]].rstrip().endswith(c.passed_on), rows[c.name[5:]]
+    assert any("absolute floor max|a-b| <= " in line and "while rel <= 0.5" in line for line in lines)
+    worst = max(floor, key=lambda c: c.rel)
+    assert f"worst gradient by rel: {worst.name[5:]} {worst.rel:.3e} (passed on the absolute floor" in result.format()
+    n_rel = sum(c.passed_on == "rel" for c in result.comparisons)
+    assert lines[-1] == result.verdict()
+    assert lines[-1].startswith(f"PASS: {n_rel} tensors within rel 0.0001; {len(floor)} gradients within the "
+                                f"absolute floor {result.atol:.3g} only (rel ")
+    assert n_rel + len(floor) == len(result.comparisons) == len(by)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["passed_on"]["rel"] == n_rel and data["passed_on"]["floor"] == len(floor)
+    assert data["summary"] == lines[-1]
+    assert {c["name"]: c["passed_on"] for c in data["comparisons"]} == {c.name: c.passed_on for c in result.comparisons}
+
+
+def test_16_bit_verify_fails_when_the_decay_gradients_are_zero(monkeypatch):
+    """The GDN decay g's gradient dropped (zero, not None): the A_log / dt_bias gradients are zero. Their stock
+    values are below a bf16 run's floor (1e-3 of the largest gradient) in layers 1 and 2: the floor alone
+    passed them; each must fail."""
+    original = adapters.ops.chunk_gated_delta_rule
+
+    def no_decay_gradient(q, k, v, g, *args, **kwargs):
+        return original(q, k, v, g.detach() + 0 * g, *args, **kwargs)
+
+    monkeypatch.setattr(adapters.ops, "chunk_gated_delta_rule", no_decay_gradient)
+    result = verify.verify_model("tiny", dtype="bf16")
+    decay = [c for c in result.comparisons if c.name.endswith(("A_log", "dt_bias"))]
+    assert len(decay) == 6 and all(c.rel == pytest.approx(1.0) for c in decay)  # deltafuse's are 0
+    assert any(c.max_abs <= result.atol for c in decay)  # within the floor in absolute terms
+    assert not any(c.ok for c in decay), result.format()
+    assert not result.ok and result.format().splitlines()[-1].startswith("FAIL: ")
 
 
 # --- MoE routing: ties broken differently are reported, pinned in 16-bit, a failure in fp32 -------------
@@ -275,7 +351,7 @@ def test_verify_passes_with_fla_installed_on_a_cpu_box(tmp_path):
 def test_verify_packed_moe_passes_with_fla_installed_on_a_cpu_box(tmp_path):
     proc = _verify_with_standins(tmp_path, "--model", "tiny-moe", "--packed")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.rstrip().endswith("PASS")
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("PASS: ")
     assert "Traceback" not in proc.stderr
     if _new_design("qwen3_5_moe"):
         line = next(x for x in proc.stdout.splitlines() if x.startswith("baseline:"))

@@ -15,10 +15,13 @@ When things happen:
 * ``trainer.train()`` (``on_train_begin``, after the optimizer and the accelerate/DDP wrapping exist):
   ``deltafuse.patched(model)`` is entered. deltafuse replaces functions and methods, never parameters or
   modules, so the optimizer built before is unaffected; the model is found behind PEFT, DDP, FSDP and
-  accelerate wrappers; the report is kept in ``callback.report`` and logged.
+  accelerate wrappers; the report is kept in ``callback.report``. The main process (rank 0 of the job)
+  prints its one line (``str(report)``: what was routed, where the model's training calls go) once per
+  ``train()``; the full report (``report.details()``) goes to the ``deltafuse`` logger at INFO.
 * end of training (``on_train_end``): what this callback applied is reverted (a ``deltafuse.apply`` made
-  before stays), unless ``revert_at_end=False``; ``callback.revert()`` does it by hand, e.g. after an
-  exception ended training (the Trainer calls no callback then).
+  before stays), unless ``revert_at_end=False``, and the main process prints one line saying which;
+  ``callback.revert()`` does it by hand, e.g. after an exception ended training (the Trainer calls no
+  callback then). ``DeltafuseCallback(quiet=True)`` prints nothing (the logger still gets both).
 
 Evaluation and generation inside ``train()`` (eval steps, GRPO's sampling) run patched; a
 ``trainer.evaluate()`` outside ``train()`` runs stock transformers.
@@ -41,6 +44,7 @@ import logging
 from transformers import TrainerCallback
 
 from deltafuse.config import load_settings, resolve
+from deltafuse.maps import PATCHER
 from deltafuse.patching import PatchReport, find_model, patched
 
 __all__ = ["DeltafuseCallback"]
@@ -53,13 +57,15 @@ class DeltafuseCallback(TrainerCallback):
 
     ``gdn``, ``fused_ops``, ``moe`` and ``backend`` are those of ``deltafuse.apply`` (None / "auto": the
     environment decides). ``revert_at_end=False`` leaves deltafuse applied after ``train()`` (call
-    ``revert()`` yourself).
+    ``revert()`` yourself). ``quiet=True``: the main process prints nothing when training begins and ends.
     """
 
     def __init__(self, *, gdn: bool | None = None, fused_ops: bool | None = None, moe: bool | None = None,
-                 backend: str = "auto", revert_at_end: bool = True):
-        if not isinstance(revert_at_end, bool):
-            raise ValueError(f"DeltafuseCallback(revert_at_end={revert_at_end!r}); allowed: True or False")
+                 backend: str = "auto", revert_at_end: bool = True, quiet: bool = False):
+        for name, value in (("revert_at_end", revert_at_end), ("quiet", quiet)):
+            if not isinstance(value, bool):
+                raise ValueError(f"DeltafuseCallback({name}={value!r}); allowed: True or False")
+        self.quiet = quiet
         # the same checks apply() makes, so a wrong switch fails when the callback is built, not in train()
         resolve(load_settings(), gdn=gdn, fused_ops=fused_ops, moe=moe,
                 backend=None if backend == "auto" else backend)
@@ -92,14 +98,36 @@ class DeltafuseCallback(TrainerCallback):
         stack = self._stack if self._stack is not None else contextlib.ExitStack()
         self.report = stack.enter_context(patched(model, **self._kwargs))
         self._stack = stack
-        logger.info("deltafuse applied for training:\n%s", self.report)
+        logger.info("deltafuse applied for training:\n%s", self.report.details())
+        self._say(state, str(self.report))
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.revert_at_end:
-            self.revert()
+        if not self.revert_at_end:
+            if self.active:
+                self._say(state, "deltafuse: training ended; still applied (revert_at_end=False): call "
+                                 "callback.revert() or deltafuse.revert() to restore stock transformers")
+            return
+        line = self.revert()
+        if line:
+            self._say(state, line)
 
-    def revert(self) -> None:
-        """Undo what this callback applied (nothing else); does nothing when it applied nothing."""
+    def revert(self) -> str | None:
+        """Undo what this callback applied (nothing else); does nothing when it applied nothing. Returns the
+        line saying what was reverted (None when nothing was)."""
         stack, self._stack = self._stack, None
-        if stack is not None:
-            stack.close()
+        if stack is None:
+            return None
+        changed = len(self.report.applied) if self.report is not None else 0
+        stack.close()
+        line = f"deltafuse: reverted the {changed} route{'' if changed == 1 else 's'} applied for training"
+        if PATCHER.has_records():
+            line += "; routes applied before train() (deltafuse.apply) stay"
+        else:
+            line += ": stock transformers restored"
+        logger.info(line)
+        return line
+
+    def _say(self, state, line: str) -> None:
+        """Print ``line`` on the job's main process (every process logs it at INFO)."""
+        if not self.quiet and getattr(state, "is_world_process_zero", True):
+            print(line, flush=True)

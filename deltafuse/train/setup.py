@@ -40,7 +40,7 @@ def supported_model_types() -> list[str]:
     """The config ``model_type`` values of the causal LMs deltafuse patches, in the installed transformers."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
 
-    from deltafuse.integrations.transformers import PATCHER
+    from deltafuse.maps import PATCHER
 
     packages = {m.module.rsplit(".", 1)[0].rsplit(".", 1)[-1] for m in PATCHER.maps}
     return sorted(t for t in CONFIG_MAPPING_NAMES

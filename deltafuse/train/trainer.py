@@ -234,7 +234,7 @@ def apply_deltafuse(model, enabled: bool, stack: contextlib.ExitStack, context_p
         raise TrainInputError(f"deltafuse cannot patch this model ({type(model).__name__}): it is not of a "
                               "supported family; pass --no-deltafuse to train it with stock transformers") from exc
     out = report.to_dict() if hasattr(report, "to_dict") else {"enabled": True}
-    out["text"] = str(report)
+    out["text"] = report.details() if hasattr(report, "details") else str(report)  # every row (str: one line)
     out["applied_rows"] = len(getattr(report, "applied", [])) + len(getattr(report, "already_applied", []))
     return out
 

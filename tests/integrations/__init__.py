@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deltafuse.integrations.transformers import FAMILY_MAPS, PATCHER
+from deltafuse.maps import FAMILY_MAPS, PATCHER
 
 # fp32 rounding: the stock and deltafuse GDN compute the same maths in different orders
 RTOL = 1e-4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltafuse import patching
-from deltafuse.integrations.transformers import FAMILY_MAPS
+from deltafuse.maps import FAMILY_MAPS
 from deltafuse.integrations.transformers import adapters_fused as af
 from deltafuse.integrations.transformers.patcher import FamilyMap, Patcher, Route
 from deltafuse.models import TINY_NAMES, build_model
@@ -453,7 +453,7 @@ def test_switch_off_applies_none_of_its_rows(monkeypatch, env, switch):
 def test_report_lists_the_rows():
     model = _model("tiny-moe")
     report = patching.apply(model)
-    text = str(report)
+    text = report.details()
     for fmap in FAMILY_MAPS:
         for route in fmap.routes:
             if route.switch != "gdn" and route.kind != "instance":

@@ -11,7 +11,8 @@ import torch
 from deltafuse import backends, patching
 from deltafuse.backends import REGISTRY, Candidate
 from deltafuse.config import SettingsError
-from deltafuse.integrations.transformers import FAMILY_MAPS, PATCHER, adapters
+from deltafuse.integrations.transformers import adapters
+from deltafuse.maps import FAMILY_MAPS, PATCHER
 from deltafuse.integrations.transformers import packing as pk
 from deltafuse.models import TINY_NAMES, build_model
 from tests.integrations import (RTOL, assert_same_objects, family_modules, grads, packed_inputs, rel_max,
@@ -112,13 +113,99 @@ def test_report_rows_str_and_dict():
     fwd = rows[f"{fmod}.Qwen3_5TextModel.forward"]
     assert fwd.new.startswith("deltafuse.wrap_text_model_forward(")
     assert {r.switch for r in report.rows} == {"gdn", "fused_ops", "moe"}
-    text = str(report)
+    text = report.details()
     assert "Qwen3_5GatedDeltaNet.forward" in text and "applied" in text
     assert "no routes exist yet" not in text
     data = json.loads(json.dumps(report.to_dict()))
     assert data["enabled"] is True and data["settings"]["gdn"] is True
     assert len(data["rows"]) == len(report.rows)
     assert {"switch", "target", "old", "new", "status", "count"} <= set(data["rows"][0])
+
+
+def test_report_is_one_line_by_default_and_every_row_on_request():
+    model = build_model("tiny")
+    report = patching.apply(model)
+    line = str(report)
+    design = "old design" if old_design() else "new design"
+    import transformers
+
+    changed = [r for r in report.rows if r.status in ("applied", "applied (built while patched)")]
+    assert "\n" not in line and len(line) < 300, line
+    assert line.startswith(f"deltafuse: applied {len(changed)} routes (gdn ")
+    assert f"to Qwen3.5, Qwen3.5-MoE, Qwen3-Next (transformers {transformers.__version__}, {design})" in line
+    # where the model's training calls go: its device and dtype, the registry's choice there
+    assert "Qwen3.5 model: training calls on cpu float32 -> torch" in line
+    assert report.serving["gdn"] == {"chunk_gated_delta_rule": "torch", "causal_conv1d_fn": "torch"}
+    assert line.endswith("details: report.details()")
+    details = report.details()
+    assert details.splitlines()[0].startswith("deltafuse apply: ") and len(details.splitlines()) > len(report.rows)
+    assert all(r.short(r.target) in details for r in report.rows)
+    assert report.to_dict()["summary"] == line
+    assert str(patching.revert()).startswith(f"deltafuse: reverted {len(changed)} routes (gdn ")
+    assert str(patching.revert()) == "deltafuse: revert: nothing was patched"
+
+
+def test_report_one_line_names_a_mixed_choice_and_what_was_left_out():
+    report = patching.PatchReport(enabled=True, settings={"gdn": True, "fused_ops": True, "moe": False},
+                                  transformers="5.24.0", families={"qwen3_5": "new design (m)",
+                                                                   "trl": "not imported (trl is routed ...)"},
+                                  titles={"qwen3_5": "Qwen3.5"}, model_family="qwen3_5",
+                                  serving_on="cuda:0 bfloat16",
+                                  serving={"gdn": {"chunk_gated_delta_rule": "triton", "causal_conv1d_fn": "triton"},
+                                           "fused_ops": {"rms_norm_zero_centered": "triton", "swiglu": "torch",
+                                                         "apply_rotary_pos_emb": "triton"}},
+                                  notes=["x"])
+    assert str(report) == ("deltafuse: applied 0 routes to Qwen3.5 (transformers 5.24.0, new design); Qwen3.5 model: "
+                           "training calls on cuda:0 bfloat16 -> gdn triton, fused_ops triton (swiglu torch); "
+                           "moe off; trl not imported; 1 note: report.details()")
+
+
+def test_no_fla_note_without_fla():
+    """The gated-norm row's note ("old design with FLA installed ...") only where FLA's FusedRMSNormGated is
+    what the module holds: never in the new design, nor in the old one without FLA."""
+    import importlib.util
+
+    report = patching.apply(build_model("tiny"))
+    has_fla = any(getattr(m, "FusedRMSNormGated", None) is not None for m in family_modules().values())
+    if importlib.util.find_spec("fla") is None:
+        assert not has_fla
+    notes = [r.note for r in report.rows if r.note] + report.notes
+    assert any("FLA" in n for n in notes) == has_fla, notes
+
+
+def _fake_family(name, fla_norm):
+    """An old-design modeling module (``is_fast_path_available``) holding ``fla_norm`` as FusedRMSNormGated."""
+    import types
+
+    mod = types.ModuleType(name)
+    mod.is_fast_path_available = fla_norm is not None
+    mod.FusedRMSNormGated = fla_norm
+    mod.GatedNorm = type("GatedNorm", (), {"forward": lambda self, x: x, "__module__": name})
+    return mod
+
+
+@pytest.mark.parametrize("fla", [True, False])
+def test_fla_note_follows_the_modules_fla_norm(fla, monkeypatch):
+    import sys
+
+    from deltafuse.integrations.transformers.patcher import FamilyMap, Patcher, Route
+
+    name = "deltafuse_fake_old_design"
+    monkeypatch.setitem(sys.modules, name, _fake_family(name, type("FusedRMSNormGated", (), {}) if fla else None))
+    fmap = FamilyMap(family="fake", module=name, routes=(
+        Route("gdn", "global", "", "FusedRMSNormGated", None, design="old", note="gdn fla note",
+              note_if="FusedRMSNormGated"),
+        Route("fused_ops", "class", "GatedNorm", "forward", lambda f: f, wrap=True, note="fused fla note",
+              note_if="FusedRMSNormGated"),
+    ))
+    patcher = Patcher([fmap])
+    families, rows, _ = patcher.apply({"gdn": True, "fused_ops": True})
+    try:
+        assert families["fake"].startswith("old design")
+        # the gdn row replaced FusedRMSNormGated first: the note still follows the value transformers set
+        assert [r.note for r in rows] == (["gdn fla note", "fused fla note"] if fla else ["", ""])
+    finally:
+        patcher.revert()
 
 
 def test_patch_off_changes_nothing(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltafuse import ops, patching
-from deltafuse.integrations.transformers import PATCHER
+from deltafuse.maps import PATCHER
 from deltafuse.integrations.trainer import DeltafuseCallback
 from deltafuse.models import build_model
 from tests.integrations import RTOL, assert_grads_close, assert_same_objects, snapshot
@@ -162,7 +162,7 @@ def test_callback_leaves_an_earlier_apply_in_place(tmp_path, op_calls):
     assert op_calls["chunk_gated_delta_rule"] > 0
 
 
-def test_revert_at_end_false_keeps_deltafuse_until_revert(tmp_path):
+def test_revert_at_end_false_keeps_deltafuse_until_revert(tmp_path, capsys):
     from transformers import Trainer, TrainingArguments
 
     model = build_model("tiny", seed=1).train()
@@ -170,12 +170,58 @@ def test_revert_at_end_false_keeps_deltafuse_until_revert(tmp_path):
     callback = DeltafuseCallback(revert_at_end=False)
     trainer = Trainer(model=model, args=TrainingArguments(**training_args(tmp_path, max_steps=1)),
                       train_dataset=Rows(2, 12, model.config.vocab_size, seed=2), callbacks=[callback])
+    capsys.readouterr()
     trainer.train()
+    assert _deltafuse_lines(capsys.readouterr().out)[1:] == [
+        "deltafuse: training ended; still applied (revert_at_end=False): call callback.revert() or "
+        "deltafuse.revert() to restore stock transformers"]
     assert callback.active and PATCHER.has_records()
-    callback.revert()
+    assert callback.revert().startswith("deltafuse: reverted the ")
     assert not callback.active and not PATCHER.has_records()
     assert_same_objects(before, snapshot(model))
-    callback.revert()  # a second revert does nothing
+    assert callback.revert() is None  # a second revert does nothing
+
+
+def _deltafuse_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("deltafuse:")]
+
+
+def test_callback_says_once_per_train_what_it_routed_and_that_it_reverted(tmp_path, capsys):
+    """The one line reaches the user (stdout of the main process: the Trainer's own logging is silent at INFO by
+    default), once per ``train()``, and so does the revert."""
+    from transformers import Trainer, TrainingArguments
+
+    model = build_model("tiny", seed=1).train()
+    callback = DeltafuseCallback()
+    trainer = Trainer(model=model, args=TrainingArguments(**training_args(tmp_path, max_steps=1)),
+                      train_dataset=Rows(2, 12, model.config.vocab_size, seed=2), callbacks=[callback])
+    capsys.readouterr()
+    trainer.train()
+    lines = _deltafuse_lines(capsys.readouterr().out)
+    n = len(callback.report.applied)
+    assert n > 0 and lines == [str(callback.report),
+                               f"deltafuse: reverted the {n} routes applied for training: stock transformers restored"]
+    assert "\n" not in lines[0] and "Qwen3.5 model: training calls on cpu float32 -> torch" in lines[0]
+    trainer.train()  # a second train(): patched and reverted again, said again
+    assert len(_deltafuse_lines(capsys.readouterr().out)) == 2
+
+
+def test_callback_prints_on_the_main_process_only(capsys, caplog):
+    import logging
+
+    from transformers import TrainerState
+
+    model = build_model("tiny")
+    for state, quiet in ((TrainerState(is_world_process_zero=False), False), (TrainerState(), True)):
+        callback = DeltafuseCallback(quiet=quiet)
+        with caplog.at_level(logging.INFO, logger="deltafuse"):
+            callback.on_train_begin(None, state, None, model=model)
+            assert callback.active and PATCHER.has_records()
+            callback.on_train_end(None, state, None)
+        assert not callback.active and not PATCHER.has_records()
+        assert capsys.readouterr().out == ""
+        assert "deltafuse applied for training:" in caplog.text and "reverted the" in caplog.text  # the logger has both
+        caplog.clear()
 
 
 @pytest.mark.parametrize("kwargs,words", [

@@ -26,7 +26,7 @@ pytest.importorskip("trl", reason="trl is in deltafuse's test extra (pip install
 from datasets import Dataset  # noqa: E402  (a dependency of trl)
 
 from deltafuse import patching  # noqa: E402
-from deltafuse.integrations.transformers import PATCHER  # noqa: E402
+from deltafuse.maps import PATCHER  # noqa: E402
 from deltafuse.integrations.trainer import DeltafuseCallback  # noqa: E402
 from deltafuse.models import build_model  # noqa: E402
 from deltafuse.train.tokenizer import build_byte_tokenizer  # noqa: E402

@@ -64,7 +64,7 @@ def test_tiny_model_matches_trl_and_calls_deltafuse(spy, frozen_head):
     assert not spy
     with deltafuse.patched(model) as report:
         assert any(r.target == "trl.trainer.utils._ChunkedLogProbFunction" and r.status == "applied"
-                   for r in report.rows), str(report)
+                   for r in report.rows), report.details()
         ours, g_ours = _run(model, *batch)
     assert spy == ([FIELDS] if frozen_head else [])
     assert not isinstance(trl_utils._ChunkedLogProbFunction, trl_integration.TokenLogProbFunction)  # reverted
@@ -81,7 +81,7 @@ def test_revert_restores_trls_function():
     with deltafuse.patched() as report:
         assert isinstance(trl_utils._ChunkedLogProbFunction, trl_integration.TokenLogProbFunction)
         assert trl_utils._ChunkedLogProbFunction.original is original
-        assert "trl.trainer.utils" in str(report)
+        assert "trl.trainer.utils" in report.details()
     assert trl_utils._ChunkedLogProbFunction is original
 
 

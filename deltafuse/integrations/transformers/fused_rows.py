@@ -4,7 +4,8 @@ Both transformers designs (5.2-5.14 and 5.15+) define these classes and the modu
 ``apply_rotary_pos_emb`` (looked up by the attention forward at call time) in the same way, so the rows
 have ``design="any"``. Old design with FLA importable: GDN layers built before ``apply`` hold FLA's
 ``FusedRMSNormGated`` instead of ``*RMSNormGated``; the ``gdn`` rows make models built afterwards use the
-torch class, built ones keep FLA's norm (the note on the row says so).
+torch class, built ones keep FLA's norm (the note on the row says so, only where the module's
+``FusedRMSNormGated`` is FLA's: the new design has no such global, and the old one sets it to None without FLA).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def fused_routes(rms_norm: str, rms_norm_gated: str, mlp: str, causal_lm: str, a
         Route("fused_ops", "class", rms_norm, "forward", f.wrap_rms_norm_forward, wrap=True),
         Route("fused_ops", "class", rms_norm_gated, "forward", f.wrap_rms_norm_gated_forward, wrap=True,
               note="old design with FLA installed: GDN layers built before apply hold FLA's FusedRMSNormGated, "
-                   "which is left as it is"),
+                   "which is left as it is", note_if="FusedRMSNormGated"),
         Route("fused_ops", "global", "", "apply_rotary_pos_emb", f.wrap_apply_rotary_pos_emb, wrap=True),
         Route("fused_ops", "class", mlp, "forward", f.wrap_mlp_forward, wrap=True,
               note="SiLU activations only; other activations run the stock forward"),

@@ -38,7 +38,7 @@ def gdn_routes(gdn: str, text_model: str, decoder_layer: str) -> tuple[Route, ..
         Route("gdn", "global", "", "causal_conv1d_update", a.causal_conv1d_update, design="old"),
         Route("gdn", "global", "", "FusedRMSNormGated", None, design="old",
               note="FLA's norm is built on torch.cuda.current_device(); models built after apply use "
-                   "the torch one"),
+                   "the torch one", note_if="FusedRMSNormGated"),
         # ... and what built models cached in __init__
         *(Route("gdn", "instance", gdn, attr, op, design="old", init_from=sources)
           for attr, (op, sources) in CACHED_OPS.items()),

@@ -254,7 +254,7 @@ def stock_torch_baseline(model) -> Iterator[list[str]]:
     """Within the block, stock transformers runs ``model``'s GDN layers with its own pure-torch functions
     wherever it had picked another package; yields ``["place: package -> torch", ...]`` (empty when stock
     already ran pure torch everywhere) and restores every swapped object on exit."""
-    from deltafuse.integrations.transformers import PATCHER
+    from deltafuse.maps import PATCHER
 
     if PATCHER.has_records():
         raise RuntimeError("stock_torch_baseline: deltafuse is applied in this process, so there is no stock to "

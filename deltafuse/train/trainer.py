@@ -384,7 +384,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
         _say(f"lora: r={args.lora_r} alpha={args.lora_alpha} targets={','.join(targets)}"
              + (" + experts" if args.lora_experts else ""))
     if enabled:
-        _say("deltafuse: ON - " + patch_info["text"].splitlines()[0])
+        _say(patch_info.get("summary") or patch_info["text"].splitlines()[0])  # "deltafuse: applied N routes ..."
     else:
         _say("deltafuse: OFF (stock transformers)")
     for line in stats.summary_lines(args.seq_len):

@@ -29,7 +29,7 @@ def gdn_inputs(B=1, T=10, H=2, HV=4, K=8, V=8, dtype=torch.float32):
     (lambda a: a.update(g=a["g"][:, :, :2]), r"g must be \[B, T, HV\] = \(1, 10, 4\), got \(1, 10, 2\)"),
     (lambda a: a.update(beta=a["beta"][..., None]), r"beta must have 3 dimensions"),
     (lambda a: a.update(q=a["q"].to(torch.int32)), r"q has dtype int32; allowed: float16, bfloat16"),
-    (lambda a: a.update(v=a["v"].double()), r"q, k, v must share a dtype"),
+    (lambda a: a.update(k=a["k"].double()), r"q and k must share a dtype"),
     (lambda a: a.update(q=a["q"].to("meta")), r"k is on cpu but q is on meta"),
     (lambda a: a.update(initial_state=torch.randn(2, 4, 8, 8)),
      r"initial_state must be \[N, HV, K, V\] = \(1, 4, 8, 8\) with N = B, got \(2, 4, 8, 8\)"),
@@ -109,13 +109,15 @@ def _gdn_args():
                 output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=torch.tensor([0, 4, 10]))
 
 
+_GDN_GATES = dict(use_gate_in_kernel=True, A_log=torch.randn(4), dt_bias=torch.randn(4), use_beta_sigmoid_in_kernel=True)
 _GDN_KINDS = dict(q="T", k="T", v="T", g="T", beta="T", scale="F?", initial_state="T?", output_final_state="B",
                   use_qk_l2norm_in_kernel="B", cu_seqlens="T?")
+_GATE_KINDS = dict(use_gate_in_kernel="B", A_log="T?", dt_bias="T?", use_beta_sigmoid_in_kernel="B")
 
 OP_TABLE = {
-    "chunk_gated_delta_rule": (_gdn_args, _GDN_KINDS),
-    "fused_recurrent_gated_delta_rule": (lambda: dict(_gdn_args(), inplace_final_state=False),
-                                         dict(_GDN_KINDS, inplace_final_state="B")),
+    "chunk_gated_delta_rule": (lambda: dict(_gdn_args(), **_GDN_GATES), dict(_GDN_KINDS, **_GATE_KINDS)),
+    "fused_recurrent_gated_delta_rule": (lambda: dict(_gdn_args(), inplace_final_state=False, **_GDN_GATES),
+                                         dict(_GDN_KINDS, inplace_final_state="B", **_GATE_KINDS)),
     "causal_conv1d_fn": (
         lambda: dict(x=torch.randn(1, 6, 10), weight=torch.randn(6, 4), bias=torch.randn(6), seq_idx=None,
                      initial_states=torch.randn(1, 6, 3), return_final_states=True,

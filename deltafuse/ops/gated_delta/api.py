@@ -38,8 +38,9 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs):
     HV, V = v.shape[2], v.shape[3]
     if HV % H != 0:
         check.fail(f"v has HV={HV} value heads, which is not a multiple of the H={H} query/key heads")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        check.fail(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype != k.dtype:
+        check.fail(f"q and k must share a dtype, got {q.dtype} and {k.dtype} (v may differ: they are computed in "
+                   "the wider of the two)")
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != (B, T, HV):
             check.fail(f"{name} must be [B, T, HV] = {(B, T, HV)}, got {check.shape(t)}")
@@ -60,26 +61,66 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs):
     return float(scale)
 
 
+def _gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel):
+    """FLA's in-kernel gate and beta options, with FLA's semantics: ``use_gate_in_kernel=True`` takes ``g`` as the
+    raw gate and computes the log-space decay ``-exp(A_log) * softplus(g + dt_bias)`` in fp32 (A_log and dt_bias:
+    [HV], dt_bias optional), ``use_beta_sigmoid_in_kernel=True`` takes ``beta`` as logits (beta = sigmoid(beta),
+    fp32). Both are differentiable (A_log and dt_bias get gradients). Returns (g, beta) for the op."""
+    HV = g.shape[-1]
+    if use_gate_in_kernel:
+        check.tensor("A_log", A_log, 1)
+        if A_log.shape != (HV,):
+            check.fail(f"A_log must be [HV] = ({HV},), got {check.shape(A_log)}")
+        check.same_device("g", g, A_log=A_log, dt_bias=dt_bias)
+        x = g.float()
+        if dt_bias is not None:
+            check.tensor("dt_bias", dt_bias, 1)
+            if dt_bias.shape != (HV,):
+                check.fail(f"dt_bias must be [HV] = ({HV},), got {check.shape(dt_bias)}")
+            x = x + dt_bias.float()
+        g = -A_log.float().exp() * torch.nn.functional.softplus(x)
+    elif A_log is not None or dt_bias is not None:
+        check.fail("A_log / dt_bias are read only with use_gate_in_kernel=True (g is then the raw gate); got "
+                   f"use_gate_in_kernel={use_gate_in_kernel!r}")
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid()
+    return g, beta
+
+
+def _wider(q, k, v):
+    """q, k and v in one dtype, the wider of q's and v's (FLA accepts e.g. fp32 q/k with fp16 v)."""
+    dtype = torch.promote_types(q.dtype, v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 @check.public_op(CHUNK)
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, scale: float | None = None,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                            use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None,
-                           *, backend: str | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           *, backend: str | None = None, use_gate_in_kernel: bool = False,
+                           A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                           use_beta_sigmoid_in_kernel: bool = False,
+                           **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over a whole sequence (training and prefill), FLA's signature and layouts.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head hv reads q/k head
     hv // (HV // H)); g: [B, T, HV] log-space decay; beta: [B, T, HV]; initial_state: [N, HV, K, V] fp32;
     cu_seqlens: offsets of packed sequences (B must be 1). Returns (o [B, T, HV, V] in q's dtype,
     final state [N, HV, K, V] fp32 or None). ``backend=`` may force 'triton', 'fla' or 'torch'.
+    ``use_gate_in_kernel`` (with ``A_log``, ``dt_bias``) and ``use_beta_sigmoid_in_kernel``: FLA's options, g and
+    beta then raw (see ``_gates``). v may have another dtype than q/k (computed in the wider one).
     """
     scale = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
     if backend is not None:
         backends.call_backend(CHUNK, backend)
+    out_dtype = q.dtype
+    g, beta = _gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    q, k, v = _wider(q, k, v)
     o, final, _ = _chunk_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
                       bool(use_qk_l2norm_in_kernel), backend, _library.grad_mask(q, k, v, g, beta, initial_state),
                       torch.compiler.is_compiling())
-    return o, (final if output_final_state else None)
+    return o.to(out_dtype), (final if output_final_state else None)
 
 
 @check.public_op(RECURRENT)
@@ -89,6 +130,8 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                                      cu_seqlens: torch.Tensor | None = None,
                                      *, backend: str | None = None, inplace_final_state: bool = False,
+                                     use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
+                                     dt_bias: torch.Tensor | None = None, use_beta_sigmoid_in_kernel: bool = False,
                                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token gated delta rule (decoding), same signature and layouts as chunk_gated_delta_rule.
 
@@ -98,6 +141,9 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     scale = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
     if backend is not None:
         backends.call_backend(RECURRENT, backend)
+    out_dtype = q.dtype
+    g, beta = _gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    q, k, v = _wider(q, k, v)
     mask = _library.grad_mask(q, k, v, g, beta, initial_state)
     inplace = bool(inplace_final_state) and bool(output_final_state)
     if inplace:
@@ -115,7 +161,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                 bool(use_qk_l2norm_in_kernel), backend, mask, compiling, inplace and not compiling)
     if inplace and final is not initial_state:
         final = initial_state.copy_(final)
-    return o, (final if output_final_state else None)
+    return o.to(out_dtype), (final if output_final_state else None)
 
 
 _GDN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state")

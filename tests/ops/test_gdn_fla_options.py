@@ -1,0 +1,121 @@
+"""FLA's extra GDN options, with FLA's semantics, against the float64 step-by-step oracle: the gate computed from
+raw inputs (``use_gate_in_kernel=True`` with ``A_log`` / ``dt_bias``: g = -exp(A_log) * softplus(g + dt_bias)),
+beta from logits (``use_beta_sigmoid_in_kernel=True``), and v in another dtype than q/k. Outputs, final states and
+the gradients of every input (A_log and dt_bias included), on every backend that serves the call here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltafuse import ops
+from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule
+from tests.helpers import assert_rel_close
+
+B, T, H, G, K, V = 2, 37, 2, 2, 16, 8
+HV = H * G
+OPS = {"chunk": ops.chunk_gated_delta_rule, "recurrent": ops.fused_recurrent_gated_delta_rule}
+
+
+def _inputs(seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+    return dict(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, HV, V), a=rnd(B, T, HV), b=rnd(B, T, HV),
+                A_log=torch.log(torch.rand(HV, generator=gen, dtype=torch.float64) * 15 + 0.5),
+                dt_bias=rnd(HV), h0=rnd(B, HV, K, V, scale=0.3))
+
+
+def _oracle(x, with_bias):
+    """float64: the gate and beta computed by their formulas, then the step-by-step recurrence."""
+    a = x["a"] + (x["dt_bias"] if with_bias else 0)
+    g = -x["A_log"].exp() * torch.nn.functional.softplus(a)
+    beta = x["b"].sigmoid()
+    return naive_gated_delta_rule(x["q"], x["k"], x["v"], g, beta, initial_state=x["h0"], output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
+
+
+def _grads(out, final, leaves, do, dh):
+    (out.double() * do).sum().backward(retain_graph=False) if final is None else \
+        ((out.double() * do).sum() + (final.double() * dh).sum()).backward()
+    return {n: t.grad for n, t in leaves.items()}
+
+
+CASES = [("chunk", "torch"), ("chunk", "triton"), ("recurrent", "torch")]
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["dt_bias", "no_dt_bias"])
+@pytest.mark.parametrize("name,backend", CASES)
+def test_gate_and_beta_in_kernel_match_the_oracle(name, backend, with_bias):
+    x = _inputs(seed=hash((name, backend, with_bias)) % 1000)
+    do, dh = torch.randn(B, T, HV, V, dtype=torch.float64), torch.randn(B, HV, K, V, dtype=torch.float64)
+    ref_leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    ro, rf = _oracle(ref_leaves, with_bias)
+    ref = _grads(ro, rf, ref_leaves, do, dh)
+    leaves = {n: t.float().requires_grad_() for n, t in x.items()}
+    o, final = OPS[name](leaves["q"], leaves["k"], leaves["v"], leaves["a"], leaves["b"],
+                         initial_state=leaves["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, A_log=leaves["A_log"],
+                         dt_bias=leaves["dt_bias"] if with_bias else None, use_beta_sigmoid_in_kernel=True,
+                         backend=backend)
+    got = _grads(o, final, leaves, do, dh)
+    assert_rel_close(o, ro, 2e-5, "o")
+    assert_rel_close(final, rf, 2e-5, "final state")
+    for n in ("q", "k", "v", "a", "b", "h0"):
+        assert_rel_close(got[n], ref[n], 5e-5, f"d{n}")
+    # dA_log and d dt_bias are sums over every token of terms that cancel (dg * g, and dg * sigmoid): their error
+    # is bounded against the size of those terms, what an fp32 sum of them can resolve; per head for the torch
+    # reference, against the largest head for the Triton kernels, whose dg is accurate against the whole tensor's
+    # scale (rel_rms over all heads, as their own tests bound it), not each head's
+    gate = -ref_leaves["A_log"].detach().exp() * torch.nn.functional.softplus(
+        x["a"] + (x["dt_bias"] if with_bias else 0))
+    dg = ref["a"] / (-ref_leaves["A_log"].detach().exp() * torch.sigmoid(x["a"] + (x["dt_bias"] if with_bias else 0)))
+    terms = {"A_log": (dg * gate).abs().sum((0, 1)), "dt_bias": ref["a"].abs().sum((0, 1))}
+    for n in ("A_log",) + (("dt_bias",) if with_bias else ()):
+        err = (got[n].double() - ref[n]).abs()
+        # measured: torch <= 3e-7 of each head's terms; Triton (interpreted fp32, decays down to -15 per token)
+        # up to 2e-4 of the largest head's
+        scale = 5e-5 * terms[n] if backend == "torch" else 1e-3 * terms[n].max()
+        assert bool((err <= scale).all()), (n, err.tolist(), terms[n].tolist())
+    if not with_bias:
+        assert got["dt_bias"] is None
+
+
+@pytest.mark.parametrize("name,backend", [("chunk", "torch"), ("chunk", "triton"), ("recurrent", "torch")])
+def test_v_in_another_dtype_than_q_and_k(name, backend):
+    """fp32 q/k with fp16 v (FLA accepts it): computed in fp32, o in q's dtype, equal to the all-fp32 call on the
+    same (fp16-representable) values."""
+    x = _inputs(seed=7)
+    v16 = x["v"].half()
+    g = -x["A_log"].exp() * torch.nn.functional.softplus(x["a"])
+    args = (x["q"].float(), x["k"].float())
+    o, final = OPS[name](*args, v16, g.float(), x["b"].sigmoid().float(), initial_state=x["h0"].float(),
+                         output_final_state=True, use_qk_l2norm_in_kernel=True, backend=backend)
+    want, want_final = naive_gated_delta_rule(x["q"], x["k"], v16.double(), g, x["b"].sigmoid(),
+                                              initial_state=x["h0"], output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
+    assert o.dtype == torch.float32
+    assert_rel_close(o, want, 2e-5, "o")
+    assert_rel_close(final, want_final, 2e-5, "final state")
+
+
+@pytest.mark.parametrize("op", list(OPS.values()))
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(use_gate_in_kernel=True), r"A_log"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(3)), r"A_log must be \[HV\] = \(4,\), got \(3,\)"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(4), dt_bias=torch.zeros(4, 1)), r"dt_bias must have 1 dim"),
+    (dict(A_log=torch.zeros(4)), r"A_log / dt_bias are read only with use_gate_in_kernel=True"),
+    (dict(dt_bias=torch.zeros(4)), r"A_log / dt_bias are read only with use_gate_in_kernel=True"),
+])
+def test_gate_options_refuse_what_they_cannot_read(op, kwargs, match):
+    q = torch.randn(1, 5, 2, 8)
+    with pytest.raises((ValueError, TypeError), match=match):
+        op(q, q, torch.randn(1, 5, 4, 8), torch.randn(1, 5, 4), torch.rand(1, 5, 4), **kwargs)
+
+
+def test_q_and_k_must_share_a_dtype():
+    q = torch.randn(1, 5, 2, 8)
+    with pytest.raises(ValueError, match=r"q and k must share a dtype, got torch.float32 and torch.float64"):
+        ops.chunk_gated_delta_rule(q, q.double(), torch.randn(1, 5, 4, 8), torch.randn(1, 5, 4), torch.rand(1, 5, 4))

@@ -11,6 +11,11 @@ grad norm with the ON-OFF deltas, and the speedup; it is written as Markdown, JS
 the same flags, and a second table with one row per run: its numbers and deltafuse's speedup over it, or why it
 has none. The OFF run and every run that is not an FLA run start through ``deltafuse.bench.peers`` too, which
 keeps FLA out of them: they use transformers' torch fallback even where FLA is installed.
+
+--output-dir holds one benchmark: a new run replaces a previous bench e2e result there (set aside until the new
+one has finished, put back if it fails). A directory holding anything else (a `deltafuse train` run, other
+files) is refused before anything runs, unless --overwrite, which replaces a training run's entries and the
+benchmark's and leaves every other file alone.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +41,8 @@ class BenchRunError(RuntimeError):
 
 RUNS = (("off", "OFF (stock)"), ("on", "ON (deltafuse)"))
 NOT_FORWARDED = {"deltafuse", "resume", "output_dir", "overwrite", "progress"}
+MARKER = ".deltafuse-bench-e2e"  # written first into --output-dir: the directory holds a bench e2e result
+RESULT_FILES = ("e2e.md", "e2e.json", "e2e.png")
 
 
 # --- forwarding the train flags ----------------------------------------------------------------------
@@ -247,9 +255,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if action.dest == "max_steps":
             action.help = "optimizer steps of each run (default: 60)"
         elif action.dest == "output_dir":
-            action.help = "where off/, on/ and e2e.md/json/png go (default: runs/bench-e2e)"
+            action.help = ("where off/, on/ and e2e.md/json/png go (default: runs/bench-e2e); a previous bench e2e "
+                           "result there is replaced, a directory holding anything else is refused")
         elif action.dest == "overwrite":
-            action.help = "replace a previous benchmark in --output-dir"
+            action.help = ("also use an --output-dir that holds other things: a `deltafuse train` run there is "
+                           "replaced, other files are kept")
         elif action.dest in ("deltafuse", "resume"):
             action.help = "(not for bench e2e: it makes fresh OFF and ON runs)"
     g = parser.add_argument_group("benchmark")
@@ -290,6 +300,52 @@ def check_args(args) -> None:
                               f"{args.warmup_intervals + 1} = {need}")
 
 
+def bench_entries() -> set[str]:
+    """The names a bench e2e run writes into --output-dir."""
+    return {MARKER, "off", "on", *RESULT_FILES, *(peers_mod.run_dir_name(r) for r in peers_mod.PEERS)}
+
+
+def plan_bench_dir(args) -> list[str]:
+    """The entries of --output-dir that this run replaces; refuses, in one line, a directory it must not use.
+
+    A directory that is missing, empty or holds a previous bench e2e result (its marker or e2e.json, and nothing
+    but the benchmark's own names) is used, the previous result replaced. Anything else is refused unless
+    --overwrite: then a training run's entries there are replaced too, other files are kept.
+    """
+    from deltafuse.train.outdir import plan_output_dir, run_entries
+
+    out = args.output_dir
+    # writable, and no run set aside by an interrupted replacement; it refuses nothing else with overwrite=True
+    plan = plan_output_dir(out, overwrite=True, resume=None)
+    names = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    ours = [n for n in names if n in bench_entries()]
+    is_bench = MARKER in names or "e2e.json" in names
+    if len(ours) == len(names) and (is_bench or not names):
+        return ours
+    if args.overwrite:
+        return list(dict.fromkeys(plan.replace + ours))
+    train_run = run_entries(out)
+    if train_run:
+        raise TrainInputError(f"--output-dir {out!r} holds a `deltafuse train` run ({_listing(train_run)}), not a "
+                              "bench e2e result; choose another --output-dir, or pass --overwrite to replace that "
+                              "run (other files there are kept)")
+    others = [n for n in names if n not in bench_entries()] or names
+    raise TrainInputError(f"--output-dir {out!r} holds files that are not a bench e2e result ({_listing(others)}); "
+                          "choose another --output-dir, or pass --overwrite to write the benchmark beside them "
+                          "(they are kept)")
+
+
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
 def run_e2e(args) -> dict:
     from deltafuse.train import data as data_mod
     from deltafuse.train import setup
@@ -301,16 +357,24 @@ def run_e2e(args) -> dict:
     resolve_defaults(args)
     if args.data is not None:  # fail here, once, rather than in the first child
         data_mod.load_jsonl(args.data, skip_bad_rows=args.skip_bad_rows)
-    from deltafuse.train.outdir import plan_output_dir, replacing
+    from deltafuse.train.outdir import replacing
 
-    plan = plan_output_dir(args.output_dir, overwrite=args.overwrite, resume=None)  # refuses without --overwrite
-    names = [peers_mod.run_dir_name(r) for r in peers_mod.PEERS] + ["off", "on", "e2e.md", "e2e.json", "e2e.png"]
-    previous = list(dict.fromkeys(plan.replace + [n for n in names if os.path.lexists(
-        os.path.join(args.output_dir, n))])) if args.overwrite else []
+    previous = plan_bench_dir(args)
     os.makedirs(args.output_dir, exist_ok=True)
-    # a previous benchmark is set aside, deleted once this one has finished, put back if it fails
+    if previous:
+        print(f"bench e2e: replacing the previous bench e2e result in {args.output_dir!r} (set aside until this run "
+              "has finished; put back if it fails)", flush=True)
+    # the previous result is set aside, deleted once this one has finished, put back if it fails
     with replacing(args.output_dir, previous):
-        return _run_all(args)
+        try:
+            with open(os.path.join(args.output_dir, MARKER), "w") as fh:
+                fh.write("deltafuse bench e2e writes here; a new bench e2e run replaces what it wrote\n")
+            return _run_all(args)
+        except BaseException:
+            if previous:  # this run's partial output goes, so that the previous result can go back
+                for name in bench_entries():
+                    _remove(os.path.join(args.output_dir, name))
+            raise
 
 
 def _run_all(args) -> dict:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -50,15 +53,23 @@ def test_bench_e2e_writes_table_json_and_png(tmp_path, capsys, monkeypatch):
     with open(os.path.join(out, "e2e.png"), "rb") as fh:
         png = fh.read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    # a second run into the same directory is refused unless --overwrite
-    assert main(["e2e", "--max-steps", "4", "--interval", "2", "--output-dir", out]) == 2
-    assert "exists and is not empty" in capsys.readouterr().err
-    # --overwrite whose runs fail keeps the previous benchmark, byte for byte
+    # a new run whose runs fail (after writing part of their output) keeps the previous benchmark, byte for
+    # byte, with and without --overwrite
     before = _snapshot(out)
-    monkeypatch.setattr(e2e.subprocess, "call", lambda *a, **k: 1)
-    assert main(["e2e", "--model", "tiny", "--max-steps", "4", "--interval", "2", "--seq-len", "256",
-                 "--num-examples", "30", "--output-dir", out, "--no-progress", "--overwrite"]) != 0
-    assert _snapshot(out) == before
+
+    def failing_child(cmd, env=None):
+        run_dir = cmd[cmd.index("--output-dir") + 1]
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as fh:
+            fh.write('{"step": 1}\n')
+        return 1
+
+    monkeypatch.setattr(e2e.subprocess, "call", failing_child)
+    for extra in ([], ["--overwrite"]):
+        assert main(["e2e", "--model", "tiny", "--max-steps", "4", "--interval", "2", "--seq-len", "256",
+                     "--num-examples", "30", "--output-dir", out, "--no-progress", *extra]) == 1
+        assert "the OFF (stock) run failed with exit code 1" in capsys.readouterr().err
+        assert _snapshot(out) == before
 
 
 def test_forwarded_flags_reproduce_the_arguments():
@@ -95,3 +106,67 @@ def test_bench_e2e_bad_input(argv, needle, tmp_path, capsys):
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
     assert not (tmp_path / "b").exists()
+
+
+# --- item: the README's first command works twice; an occupied --output-dir is refused with bench's own flags ---
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ["--model", "tiny", "--max-steps", "2", "--interval", "1", "--seq-len", "256", "--num-examples", "30",
+         "--no-progress"]
+BENCH_FILES = [".deltafuse-bench-e2e", "e2e.json", "e2e.md", "e2e.png", "off", "on"]
+
+
+def _bench_flags() -> set[str]:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    return {s for a in parser._actions for s in a.option_strings} - {"--resume", "--deltafuse", "--no-deltafuse"}
+
+
+def _suggested_flags(message: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", message))
+
+
+@pytest.mark.slow
+def test_readme_command_twice_in_the_same_directory(tmp_path):
+    """`deltafuse bench e2e --model tiny` (default --output-dir) run twice in a row in one cwd: both exit 0."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for name in ("DELTAFUSE_PATCH", "OMP_NUM_THREADS"):  # as a new user's shell has them
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "deltafuse", "bench", "e2e", *SMALL]
+    for attempt in (1, 2):
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, f"run {attempt}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    assert "replacing the previous bench e2e result in 'runs/bench-e2e'" in done.stdout
+    out = tmp_path / "runs" / "bench-e2e"
+    assert sorted(os.listdir(out)) == BENCH_FILES  # the previous result replaced, nothing set aside left behind
+    res = json.load(open(out / "e2e.json"))
+    assert [r["step"] for r in res["steps"]["on"]] == [1, 2]
+
+
+def test_output_dir_holding_a_train_run_is_refused_naming_only_bench_flags(tmp_path, capsys):
+    from deltafuse.train.cli import main as train_main
+
+    run = str(tmp_path / "run")
+    assert train_main(["--model", "tiny", "--max-steps", "1", "--seq-len", "256", "--num-examples", "8",
+                       "--output-dir", run, "--no-progress"]) == 0
+    capsys.readouterr()
+    before = _snapshot(run)
+    assert main(["e2e", "--output-dir", run, "--max-steps", "2", "--interval", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and repr(run) in err and "`deltafuse train` run" in err, err
+    flags = _suggested_flags(err)
+    assert "--overwrite" in flags and flags <= _bench_flags(), err  # never --resume, which bench e2e refuses
+    assert _snapshot(run) == before
+
+
+def test_output_dir_holding_other_files_is_refused_and_left_alone(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    (out / "e2e.json").write_text("{}")  # looks like a bench result, but notes.txt is not one
+    assert main(["e2e", "--output-dir", str(out), "--max-steps", "2", "--interval", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "notes.txt" in err and repr(str(out)) in err, err
+    assert _suggested_flags(err) <= _bench_flags(), err
+    assert sorted(os.listdir(out)) == ["e2e.json", "notes.txt"] and (out / "notes.txt").read_text() == "keep me"

@@ -458,11 +458,16 @@ def plan_bench_dir(args) -> list[str]:
     but the benchmark's own names) is used, the previous result replaced. Anything else is refused unless
     --overwrite: then a training run's entries there are replaced too, other files are kept.
     """
-    from deltafuse.train.outdir import plan_output_dir, run_entries
+    from deltafuse.train.outdir import ASIDE, check_writable, plan_output_dir, run_entries
 
     out = args.output_dir
-    # writable, and no run set aside by an interrupted replacement; it refuses nothing else with overwrite=True
-    plan = plan_output_dir(out, overwrite=True, resume=None)
+    check_writable(out)
+    aside = os.path.join(out, ASIDE)
+    if os.path.exists(aside):  # said here: `deltafuse train`'s account of it may suggest its own flags
+        raise TrainInputError(f"--output-dir {out!r} holds {aside!r}, what an interrupted run set aside (a previous "
+                              f"benchmark or training run); move its contents back into {out!r} to keep them, or "
+                              "delete the folder, then run again")
+    plan = plan_output_dir(out, overwrite=True, resume=None)  # with overwrite=True it refuses nothing more here
     names = sorted(os.listdir(out)) if os.path.isdir(out) else []
     ours = [n for n in names if n in bench_entries()]
     is_bench = MARKER in names or "e2e.json" in names

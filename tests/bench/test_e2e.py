@@ -189,6 +189,21 @@ def test_output_dir_holding_other_files_is_refused_and_left_alone(tmp_path, caps
     assert sorted(os.listdir(out)) == ["e2e.json", "notes.txt"] and (out / "notes.txt").read_text() == "keep me"
 
 
+def test_output_dir_holding_a_set_aside_run_is_refused_naming_only_bench_flags(tmp_path, capsys):
+    """What an interrupted replacement left behind, beside a newer run's checkpoint: refused, nothing moved."""
+    from deltafuse.train.outdir import ASIDE
+
+    out = tmp_path / "b"
+    (out / ASIDE / "off").mkdir(parents=True)
+    (out / "checkpoint-1").mkdir()
+    (out / "checkpoint-1" / "trainer_state.json").write_text('{"global_step": 1}')
+    assert main(["e2e", "--output-dir", str(out), "--max-steps", "2", "--interval", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and ASIDE in err and "move its contents back" in err, err
+    assert _suggested_flags(err) <= _bench_flags(), err
+    assert sorted(os.listdir(out)) == [ASIDE, "checkpoint-1"] and os.listdir(out / ASIDE) == ["off"]
+
+
 # --- item: honest output: interleaved repeats; on CPU the loss is the headline and the timings are called noise ---
 def test_cpu_run_interleaves_repeats_and_reports_noise_not_a_speedup(tmp_path, capsys):
     out = str(tmp_path / "bench")

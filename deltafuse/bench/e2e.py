@@ -201,7 +201,7 @@ def speed_verdict(off_times: list[float], on_times: list[float], device: str) ->
     n = len(off_times)
     if not str(device).startswith("cuda"):
         if n > 1:
-            own = max(max(ts) / min(ts) for ts in (off_times, on_times) if min(ts) > 0)
+            own = max((max(ts) / min(ts) for ts in (off_times, on_times) if min(ts) > 0), default=float("nan"))
             seen = (f"OFF and ON ran {n} times each, interleaved, and the same run's own repeats differ by up to "
                     f"{own:.2f}x in interval time here")
         else:
@@ -394,8 +394,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(max_steps=DEFAULT_MAX_STEPS, output_dir="runs/bench-e2e")
     for action in parser._actions:  # the same flags as `deltafuse train`, with the benchmark's defaults
         if action.dest == "max_steps":
-            action.help = (f"optimizer steps of each run (default: {DEFAULT_MAX_STEPS}: one warm-up and one timed "
-                           "interval of 10)")
+            action.help = (f"optimizer steps of each run (default: {DEFAULT_MAX_STEPS}: with the default --interval "
+                           "and --warmup-intervals, one warm-up and one timed interval)")
         elif action.dest == "output_dir":
             action.help = ("where off/, on/ and e2e.md/json/png go (default: runs/bench-e2e); a previous bench e2e "
                            "result there is replaced, a directory holding anything else is refused")

@@ -96,7 +96,7 @@ def child_threads(args, device: str, environ=os.environ) -> str | None:
     The tiny models (hidden size 64) gain nothing from a second CPU thread, and on a shared CPU OpenMP's spinning
     threads make their steps several times slower: on a CPU, unless OMP_NUM_THREADS is set, they run on one thread.
     """
-    from deltafuse.models import TINY_NAMES
+    from deltafuse.model_names import TINY_NAMES
 
     tiny = args.model in TINY_NAMES and not os.path.isdir(args.model)
     return "1" if tiny and not device.startswith("cuda") and "OMP_NUM_THREADS" not in environ else None

@@ -521,10 +521,14 @@ def run_e2e(args) -> dict:
             with open(os.path.join(args.output_dir, MARKER), "w") as fh:
                 fh.write("deltafuse bench e2e writes here; a new bench e2e run replaces what it wrote\n")
             return _run_all(args, setup.training_device())
-        except BaseException:
+        except BaseException as exc:
             if previous:  # this run's partial output goes, so that the previous result can go back
                 for name in bench_entries():
                     _remove(os.path.join(args.output_dir, name))
+            if type(exc) is KeyboardInterrupt and not str(exc):  # Ctrl-C: the one line says what is kept
+                raise KeyboardInterrupt(f"the previous bench e2e result in {args.output_dir!r} is put back as it was"
+                                        if previous else f"this run's partial output is in {args.output_dir!r}"
+                                        ) from exc
             raise
 
 

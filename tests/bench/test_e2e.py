@@ -71,6 +71,19 @@ def test_bench_e2e_writes_table_json_and_png(tmp_path, capsys, monkeypatch):
                      "--num-examples", "30", "--output-dir", out, "--no-progress", "--repeats", "1", *extra]) == 1
         assert "the OFF (stock) run (repeat 1 of 1) failed with exit code 1" in capsys.readouterr().err
         assert _snapshot(out) == before
+    # Ctrl-C while a run trains: the previous benchmark is put back, and the one line says so
+    from deltafuse import cli
+
+    def interrupted_child(cmd, env=None):
+        failing_child(cmd)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(e2e.subprocess, "call", interrupted_child)
+    assert cli.main(["bench", "e2e", "--model", "tiny", "--max-steps", "4", "--interval", "2", "--seq-len", "256",
+                     "--num-examples", "30", "--output-dir", out, "--no-progress", "--repeats", "1"]) == 130
+    assert capsys.readouterr().err == (f"deltafuse bench e2e: interrupted; the previous bench e2e result in {out!r} "
+                                       "is put back as it was\n")
+    assert _snapshot(out) == before
 
 
 def test_forwarded_flags_reproduce_the_arguments():

@@ -81,17 +81,17 @@ fi
 if want e2e; then
   for model in moe8 dense8; do
     step "$OUT/e2e_$model.log" python3 -m deltafuse bench e2e --model $model --seq-len 4096 --max-steps 30 \
-      --no-progress --output-dir "$OUT/e2e_$model" --overwrite
+      --repeats 2 --no-progress --output-dir "$OUT/e2e_$model" --overwrite
     rm -rf "$OUT/e2e_$model"/{on,off}/checkpoint-* "$OUT/e2e_$model"/{on,off}/final
   done
 fi
 if want long; then
   step "$OUT/e2e_moe8_16k.log" python3 -m deltafuse bench e2e --model moe8 --seq-len 16384 --max-steps 10 \
-    --interval 5 --no-progress --output-dir "$OUT/e2e_moe8_16k" --overwrite
+    --interval 5 --repeats 1 --no-progress --output-dir "$OUT/e2e_moe8_16k" --overwrite
   rm -rf "$OUT/e2e_moe8_16k"/{on,off}/checkpoint-* "$OUT/e2e_moe8_16k"/{on,off}/final
   python3 benchmarks/long_rows.py "$OUT/long_rows.jsonl" --rows 12 --chars 70000
   step "$OUT/e2e_moe8_16k_single.log" python3 -m deltafuse bench e2e --model moe8 --data "$OUT/long_rows.jsonl" \
-    --no-packing --seq-len 16384 --max-steps 6 --interval 3 --no-progress --output-dir "$OUT/e2e_moe8_16k_single" \
+    --no-packing --seq-len 16384 --max-steps 6 --interval 3 --repeats 1 --no-progress --output-dir "$OUT/e2e_moe8_16k_single" \
     --overwrite
   rm -rf "$OUT/e2e_moe8_16k_single"/{on,off}/checkpoint-* "$OUT/e2e_moe8_16k_single"/{on,off}/final
   step "$OUT/train_moe8_64k_single.log" python3 -m deltafuse train --model moe8 --data "$OUT/long_rows.jsonl" \

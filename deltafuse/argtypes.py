@@ -19,3 +19,14 @@ def int_at_least(low: int):
 
     parse.__name__ = f"integer >= {low}"
     return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0; anything else is a one-line error naming the text given."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a finite number > 0") from None
+    if not 0 < value < float("inf"):  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a finite number > 0")
+    return value

@@ -7,10 +7,10 @@ plain data here; ``run`` imports ``deltafuse.verify``, which does the work (see 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
+from deltafuse.argtypes import positive_float
 from deltafuse.cli import INTERRUPTED, TERMINATED, exit_codes
 from deltafuse.model_names import NAMED_MODELS, TINY_NAMES
 
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default: cpu")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="default: float32")
     parser.add_argument("--seed", type=_seed, default=0, help="weights and batch seed (default: 0)")
-    parser.add_argument("--rtol", type=_tolerance, default=None,
+    parser.add_argument("--rtol", type=positive_float, default=None,
                         help="relative tolerance, a finite number > 0 (default: 1e-4 fp32 CPU, 2e-3 fp32 CUDA, "
                              "5e-2 bf16, 1e-2 fp16)")
 
@@ -69,16 +69,6 @@ def model_problem(name_or_path: str) -> str | None:
     if name_or_path in NAMED_MODELS or os.path.isdir(name_or_path):
         return None
     return f"--model {name_or_path!r} is neither a known name ({', '.join(NAMED_MODELS)}) nor a local directory"
-
-
-def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a finite number > 0") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a finite number > 0 (e.g. 1e-4)")
-    return value
 
 
 def _seed(text: str) -> int:

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from deltafuse.argtypes import int_at_least as _int_at_least
+from deltafuse.argtypes import positive_float
 from deltafuse.cli import INTERRUPTED, TERMINATED, exit_codes
 from deltafuse.train.errors import TrainInputError
 
@@ -20,16 +21,6 @@ EPILOG = exit_codes(
                      "--output-dir holds (checkpoints kept, or a previous run put back)"),
     TERMINATED,
 )
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a number > 0") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: a finite number > 0")
-    return value
 
 
 def _fraction(text: str) -> float:
@@ -96,13 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", metavar="N", type=_int_at_least(1), default=60, help="optimizer steps (default: 60)")
     g.add_argument("--batch-size", metavar="N", type=_int_at_least(1), default=1,
                    help="per-device batch: packed bins, or examples with --no-packing (default: 1)")
-    g.add_argument("--lr", type=_positive_float, default=None,
+    g.add_argument("--lr", type=positive_float, default=None,
                    help="learning rate (default: 5e-3 for the tiny models, else 2e-4 LoRA / 2e-5 full)")
     g.add_argument("--lr-scheduler", default="constant",
                    choices=("constant", "linear", "cosine", "constant_with_warmup"),
                    help="learning-rate schedule (default: constant)")
     g.add_argument("--warmup-steps", metavar="N", type=_int_at_least(0), default=0, help="learning-rate warm-up steps")
-    g.add_argument("--max-grad-norm", metavar="X", type=_positive_float, default=1.0,
+    g.add_argument("--max-grad-norm", metavar="X", type=positive_float, default=1.0,
                    help="gradient clipping (default: 1.0)")
     g.add_argument("--seed", metavar="N", type=_int_at_least(0), default=0,
                    help="seed of init, LoRA init and data order")

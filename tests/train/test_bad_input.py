@@ -129,7 +129,7 @@ def test_deltafuse_flag_against_env_master_switch(monkeypatch, capsys, out):
 @pytest.mark.parametrize("argv, needle", [
     (["--max-steps", "0"], "argument --max-steps: 0 is too small; allowed: an integer >= 1"),
     (["--seq-len", "abc"], "argument --seq-len: 'abc' is not an integer; allowed: an integer >= 2"),
-    (["--lr", "-1"], "argument --lr: -1 is not allowed; allowed: a finite number > 0"),
+    (["--lr", "-1"], "argument --lr: '-1' is not allowed; allowed: a finite number > 0"),
     (["--batch-size", "0"], "argument --batch-size: 0 is too small"),
     (["--log-every", "0"], "argument --log-every: 0 is too small"),
     (["--lora-dropout", "1.5"], "argument --lora-dropout: 1.5 is not allowed; allowed: 0 <= p < 1"),

@@ -289,7 +289,8 @@ def test_a_killed_run_resumes_from_its_last_timed_checkpoint(tmp_path, straight)
     proc.kill()
     proc.wait(timeout=60)
     saved = outdir.checkpoints(out)
-    assert saved and saved[-1][0] >= 2, os.listdir(out)  # a checkpoint after (nearly) every step
+    # a complete checkpoint saved along the way (a kill during a later save leaves that one incomplete: skipped)
+    assert saved and saved[-1][0] >= 1, os.listdir(out)
     assert main([*RUN, "--output-dir", out, "--resume", "latest"]) == 0
     got = records(out)
     assert [r["step"] for r in got] == list(range(1, 31))

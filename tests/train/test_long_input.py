@@ -23,12 +23,15 @@ from deltafuse.train.tokenizer import build_byte_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_BUDGET = 4 << 30  # bytes of private writable memory a tiny run may map (it peaks well under 1 GiB)
-# the child reports its own peak RSS: RUSAGE_CHILDREN would include every earlier child of the test process
-WRAPPER = ("import resource, runpy, sys\n"
+# the child reports its own peak RSS, the high-water mark of its address space since exec (VmHWM): RUSAGE_CHILDREN
+# would include every earlier child of the test process, and RUSAGE_SELF's ru_maxrss keeps the forking pytest
+# process's peak across exec (1.5 GiB late in a full test run)
+WRAPPER = ("import runpy, sys\n"
            "try:\n"
            "    runpy.run_module('deltafuse', run_name='__main__', alter_sys=True)\n"
            "finally:\n"
-           "    print('peak-rss-kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")
+           "    hwm = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')]\n"
+           "    print('peak-rss-kib', hwm[0], file=sys.stderr)\n")
 
 
 def run_cli(argv, timeout=600):

@@ -202,6 +202,7 @@ def run(args) -> int:
 
         with _report_on_stdout():
             train(args)
+        _close_process_group()
     except (TrainInputError, SettingsError) as exc:
         print(f"deltafuse train: error: {exc}", file=sys.stderr)
         return 2
@@ -212,6 +213,17 @@ def run(args) -> int:
         print(f"deltafuse train: {what}{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
         return code
     return 0
+
+
+def _close_process_group() -> None:
+    """After a finished multi-process run (torchrun, accelerate): wait for every rank, then close the process group
+    the Trainer opened. A process that exits with it open can abort while gloo's threads are torn down
+    ("terminate called without an active exception", exit status != 0 after a complete run)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -91,3 +93,16 @@ class Float64Everywhere(torch.overrides.TorchFunctionMode):
             kwargs["dtype"] = torch.float64
         args = tuple(torch.float64 if a is torch.float32 else a for a in args)
         return func(*args, **kwargs)
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def clean_subprocess_env() -> dict:
+    """The environment for a `deltafuse` child process: no DELTAFUSE_* / TWINKLE_NPU_* switch of the caller's, no
+    TRITON_INTERPRET, this checkout first on PYTHONPATH, one OpenMP thread."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DELTAFUSE_", "TWINKLE_NPU_"))}
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env

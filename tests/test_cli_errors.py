@@ -11,6 +11,7 @@ import torch
 
 from deltafuse import models, verify
 from deltafuse.cli import main
+from tests.helpers import clean_subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -213,11 +214,7 @@ print(json.dumps({"rc": rc, "imported": heavy}))
 
 
 def _fresh_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DELTAFUSE_", "TWINKLE_NPU_"))}
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+    return clean_subprocess_env()
 
 
 def _imports_of(argv: list[str], heavy: tuple[str, ...]) -> tuple[int, list[str], str]:

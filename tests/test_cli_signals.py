@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from deltafuse import cli
+from tests.helpers import clean_subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,11 +35,7 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DELTAFUSE_", "TWINKLE_NPU_"))}
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+    return clean_subprocess_env()
 
 
 def _tripped(module: str, tripped: str, signame: str, *argv: str) -> subprocess.CompletedProcess:

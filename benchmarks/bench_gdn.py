@@ -95,14 +95,42 @@ def ours(q, k, v, g, beta, cu_seqlens=None):
                                                    cu_seqlens)[0]
 
 
+def segmented(segment, long):
+    """Ours with sequences of at least ``long`` tokens cut into parallel segments of ``segment`` tokens."""
+    from gdn_segments import chunk_gated_delta_rule_segmented
+
+    def fn(q, k, v, g, beta, cu_seqlens=None):
+        return chunk_gated_delta_rule_segmented(q, k, v, g, beta, q.shape[-1] ** -0.5, None, False, True, cu_seqlens,
+                                                long=long, segment=segment)[0]
+
+    return fn
+
+
+def load_flash_qla():
+    """FlashQLA's own chunked op (TileLang; its intra-card context parallelism on, as FLA calls it)."""
+    try:
+        import flash_qla
+    except Exception as e:  # noqa: BLE001
+        return None, f"flash_qla not importable: {type(e).__name__}: {e}"
+
+    def fn(q, k, v, g, beta, cu_seqlens=None):
+        # its backward asserts an fp32 g (what the models pass: they compute the gate in fp32)
+        return flash_qla.chunk_gated_delta_rule(q, k, v, g.float(), beta, scale=q.shape[-1] ** -0.5,
+                                                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0]
+
+    return fn, f"flash-qla {getattr(flash_qla, '__version__', '?')} alone"
+
+
 def torch_ref(q, k, v, g, beta, cu_seqlens=None):
     from deltafuse.ops.gated_delta.reference import chunk_gated_delta_rule_torch
 
     return chunk_gated_delta_rule_torch(q, k, v, g, beta, q.shape[-1] ** -0.5, None, False, True, cu_seqlens)[0]
 
 
-def load_fla(guards: contextlib.ExitStack):
-    """FLA's chunked op, with its Hopper guard lifted (timing only) until ``guards`` closes."""
+def load_fla(guards: contextlib.ExitStack, flash_qla: bool = False):
+    """FLA's chunked op, with its Hopper guard lifted (timing only) until ``guards`` closes. FLA 0.6 hands the call
+    to FlashQLA by itself when ``flash_qla`` imports on Hopper; ``flash_qla=False`` keeps it on its own Triton
+    kernels (``FLA_FLASH_QLA=0``, which FLA reads per call), True lets it dispatch (and needs flash_qla)."""
     try:
         import fla  # noqa: F401
         import fla.ops.common.chunk_o as fla_chunk_o
@@ -115,11 +143,28 @@ def load_fla(guards: contextlib.ExitStack):
         fla_chunk_o.IS_NVIDIA_HOPPER = False
         guards.callback(setattr, fla_chunk_o, "IS_NVIDIA_HOPPER", saved)
 
-    def fla_fn(q, k, v, g, beta, cu_seqlens=None):
-        return chunk_gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
-                                      cu_seqlens=cu_seqlens)[0]
+    if flash_qla:
+        try:
+            import flash_qla as _fq  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            return None, f"flash_qla not importable: {type(e).__name__}: {e}"
 
-    return fla_fn, ("fla (guard off)" if guard_off else "fla")
+    def fla_fn(q, k, v, g, beta, cu_seqlens=None):
+        saved = os.environ.get("FLA_FLASH_QLA")
+        os.environ["FLA_FLASH_QLA"] = "1" if flash_qla else "0"
+        try:
+            # an fp32 g, as the models pass it (FlashQLA's backward asserts one)
+            return chunk_gated_delta_rule(q, k, v, g.float() if flash_qla else g, beta, scale=q.shape[-1] ** -0.5,
+                                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0]
+        finally:
+            if saved is None:
+                os.environ.pop("FLA_FLASH_QLA")
+            else:
+                os.environ["FLA_FLASH_QLA"] = saved
+
+    if flash_qla:
+        return fla_fn, "fla with flash-qla (its default)"
+    return fla_fn, ("fla, FLA_FLASH_QLA=0 (guard off)" if guard_off else "fla, FLA_FLASH_QLA=0")
 
 
 def load_hf():
@@ -309,6 +354,8 @@ def time_impl(name, fn, label, shapes, check_shape, args, results):
             row["skipped"] = f"B*T={B * T} > {args.hf_max_tokens}: the torch fallback would take minutes"
         elif name.startswith("ours[") and shape != shapes[0]:
             continue
+        elif name.startswith("seg") and B * T < 2 * int(name[3:]):
+            continue  # nothing to cut: the same call as ours
         else:
             try:
                 t_f, t_fb, peak = timing(fn, shape, args.rep_ms if name != "hf" else 50)
@@ -335,7 +382,9 @@ def main():
     ap.add_argument("--breakdown", default="", help="shape indices for a per-stage timing of ours, e.g. 0,1")
     ap.add_argument("--kernels", default="", help="shape indices for a per-kernel device-time table of ours and "
                     "FLA side by side (torch.profiler), e.g. 1,3")
-    ap.add_argument("--skip", default="", help="comma list of impls to skip: hf,fla,ours,ref")
+    ap.add_argument("--skip", default="", help="comma list of impls to skip: hf,fla,fla+fq,fq,ours,ref")
+    ap.add_argument("--segments", default="", help="comma list of segment lengths: rows of ours with sequences of "
+                    "at least twice that cut into parallel segments (benchmarks/gdn_segments.py)")
     ap.add_argument("--packed", default="one,all1,u1-16,mix",
                     help=f"packed-row layouts to time (comma list of {', '.join(PACKED)}; empty for none)")
     ap.add_argument("--packed-tokens", type=int, default=4096, help="tokens in the packed row")
@@ -380,6 +429,14 @@ def main():
     if "fla" not in skip:
         fn, label = load_fla(stack_guard)
         impls.append(("fla", fn, label))
+    if "fla+fq" not in skip:
+        fn, label = load_fla(stack_guard, flash_qla=True)
+        impls.append(("fla+fq", fn, label))
+    if "fq" not in skip:
+        fn, label = load_flash_qla()
+        impls.append(("fq", fn, label))
+    for seg in filter(None, args.segments.split(",")):
+        impls.append((f"seg{seg}", segmented(int(seg), 2 * int(seg)), f"deltafuse triton, segments of {seg}"))
     if "hf" not in skip:
         fn, label = load_hf()
         impls.append(("hf", fn, label))
@@ -391,6 +448,17 @@ def main():
         results["breakdown"][str(shape)] = bd
         print(f"breakdown {shape}: total {sum(bd.values()):.3f} ms: " +
               ", ".join(f"{n} {t:.3f}" for n, t in bd.items()), flush=True)
+    for entry in impls:
+        name, fn, label = entry[:3]
+        opts = entry[3] if len(entry) > 3 else base_opts
+        if fn is None:
+            print(f"{name}: unavailable ({label})")
+            results["rows"].append({"impl": name, "label": label, "unavailable": True})
+            continue
+        with chunk_mod.configured(opts):
+            time_impl(name, fn, label, shapes, check_shape, args, results)
+        with open(args.out, "w") as f:  # after each implementation: a run cut short keeps what it measured
+            json.dump(results, f, indent=1)
     results["kernels"] = {}
     for i in filter(None, args.kernels.split(",")):
         shape = SHAPES[int(i)]
@@ -403,15 +471,6 @@ def main():
                 per[name] = kernel_times(fn, shape)
         results["kernels"][str(shape)] = per
         print(kernel_table(shape, per), flush=True)
-    for entry in impls:
-        name, fn, label = entry[:3]
-        opts = entry[3] if len(entry) > 3 else base_opts
-        if fn is None:
-            print(f"{name}: unavailable ({label})")
-            results["rows"].append({"impl": name, "label": label, "unavailable": True})
-            continue
-        with chunk_mod.configured(opts):
-            time_impl(name, fn, label, shapes, check_shape, args, results)
     stack_guard.close()  # FLA's Hopper guard back as it was
 
     # table

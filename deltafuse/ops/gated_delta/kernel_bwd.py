@@ -1,7 +1,7 @@
 """Chunked gated delta rule in Triton: the backward kernels.
 
 The recurrence, the chunk algebra and the grid of every kernel are described in ``kernel.py`` (the op's Triton
-entry, which launches these kernels); the device helpers and the forward kernels are in ``kernel_fwd.py``.
+entry); ``chunk_launch.py`` launches these kernels; the device helpers and the forward kernels are in ``kernel_fwd.py``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_x, _dot_xa, 
 def _mix_a(a, b, MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """a @ b for a computed fp32 ``a`` and ``b`` exact in DT (loaded inputs or stored values).
 
-    MODE (kernel._PROD_MODES) 0: one fp32 product at precision PREC; 2 ("x2"): ``a`` split into two DT parts
-    (hi + lo, about 16 mantissa bits) and two 16-bit products; 1 ("16"): ``a`` rounded to DT, one 16-bit product. An fp32 ``b`` (fp32 storage)
-    always takes the fp32 product.
+    MODE (chunk_options.PROD_MODES) 0: one fp32 product at precision PREC; 2 ("x2"): ``a`` split into two DT
+    parts (hi + lo, about 16 mantissa bits) and two 16-bit products; 1 ("16"): ``a`` rounded to DT, one 16-bit
+    product. An fp32 ``b`` (fp32 storage) always takes the fp32 product.
     """
     if MODE == 2 and b.dtype != tl.float32:
         ah = a.to(DT)

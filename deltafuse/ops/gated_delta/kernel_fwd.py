@@ -1,7 +1,7 @@
 """Chunked gated delta rule in Triton: the device helpers and the forward kernels.
 
 The recurrence, the chunk algebra and the grid of every kernel are described in ``kernel.py`` (the op's Triton
-entry, which launches these kernels); the backward kernels are in ``kernel_bwd.py``.
+entry); ``chunk_launch.py`` launches these kernels; the backward kernels are in ``kernel_bwd.py``.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def _dot_xa(a, b, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
         return tl.dot(a, b.to(tl.float32), input_precision=PREC)
 
 
-# product modes of a 16-bit operand with an fp32 one (ChunkOptions' "tf32" / "16" / "x2"); kernel.py maps the
-# option strings to these numbers
+# product modes of a 16-bit operand with an fp32 one (ChunkOptions' "tf32" / "16" / "x2"); chunk_options.PROD_MODES
+# maps the option strings to these numbers
 MODE_FP32 = tl.constexpr(0)
 MODE_16 = tl.constexpr(1)
 MODE_X2 = tl.constexpr(2)

@@ -1,8 +1,8 @@
 """Chunked gated delta rule in Triton: the forward's output kernel.
 
-The chunk algebra and the grid of every kernel are described in ``kernel.py`` (the op's Triton entry, which
-launches this kernel). The sequential pass (``kernel_fwd._state_fwd``) stores the state at every chunk start
-and v'; with them the chunks are independent, so the output runs over all chunks at once:
+The chunk algebra and the grid of every kernel are described in ``kernel.py`` (the op's Triton entry;
+``chunk_launch.py`` launches this kernel). The sequential pass (``kernel_fwd._state_fwd``) stores the state at
+every chunk start and v'; with them the chunks are independent, so the output runs over all chunks at once:
 
     o = scale ((q rq exp(gc)) h + lower_incl(q k^T rq rk D) v')
 """

@@ -63,6 +63,34 @@ def _tap(WGT, c64, cm, k: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _taps(WGT, c64, cm, W: tl.constexpr):
+    """The weights of lags 0..3 (0 past W-1)."""
+    return _tap(WGT, c64, cm, 0, W), _tap(WGT, c64, cm, 1, W), _tap(WGT, c64, cm, 2, W), _tap(WGT, c64, cm, 3, W)
+
+
+@triton.jit
+def _history(X, INIT, b, c64, cm, q, T, sxb, sxc, sxt, sib, sic, sis, W: tl.constexpr, HAS_INIT: tl.constexpr,
+             X_DT: tl.constexpr, W_DT: tl.constexpr, BC: tl.constexpr):
+    """xe at the extended positions q-1, q-2, q-3 (the inputs of lags 1..3 when q is the newest; 0 past W-1)."""
+    h1 = tl.zeros((BC,), dtype=tl.float32)
+    h2 = tl.zeros((BC,), dtype=tl.float32)
+    h3 = tl.zeros((BC,), dtype=tl.float32)
+    if W > 1:
+        h1 = _xe_row(X, INIT, b, c64, cm, q - 1, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT)
+    if W > 2:
+        h2 = _xe_row(X, INIT, b, c64, cm, q - 2, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT)
+    if W > 3:
+        h3 = _xe_row(X, INIT, b, c64, cm, q - 3, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT)
+    return h1, h2, h3
+
+
+@triton.jit
+def _seq_history(SID, b, q, T, ssb, W: tl.constexpr):
+    """Sequence ids of the extended positions q-1, q-2, q-3."""
+    return _seq_row(SID, b, q - 1, T, ssb, W), _seq_row(SID, b, q - 2, T, ssb, W), _seq_row(SID, b, q - 3, T, ssb, W)
+
+
+@triton.jit
 def conv_fwd_kernel(X, INIT, SID, WGT, BIAS, Y, T, C, sxb, sxc, sxt, sib, sic, sis, ssb, syb, syc, syt,
                     W: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SID: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ACT: tl.constexpr, X_DT: tl.constexpr, W_DT: tl.constexpr,
@@ -72,26 +100,14 @@ def conv_fwd_kernel(X, INIT, SID, WGT, BIAS, Y, T, C, sxb, sxc, sxt, sib, sic, s
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
     c64 = c.to(tl.int64)
-    w0 = _tap(WGT, c64, cm, 0, W)
-    w1 = _tap(WGT, c64, cm, 1, W)
-    w2 = _tap(WGT, c64, cm, 2, W)
-    w3 = _tap(WGT, c64, cm, 3, W)
+    w0, w1, w2, w3 = _taps(WGT, c64, cm, W)
     if HAS_BIAS:
         bias = tl.load(BIAS + c64, mask=cm, other=0.0).to(tl.float32)
     # the W-1 inputs before token t0's newest one (extended positions t0 + W-1 - k, lag k = 1..3)
-    h1 = tl.zeros((BC,), dtype=tl.float32)
-    h2 = tl.zeros((BC,), dtype=tl.float32)
-    h3 = tl.zeros((BC,), dtype=tl.float32)
-    if W > 1:
-        h1 = _xe_row(X, INIT, b, c64, cm, t0 + W - 2, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT)
-    if W > 2:
-        h2 = _xe_row(X, INIT, b, c64, cm, t0 + W - 3, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT)
-    if W > 3:
-        h3 = _xe_row(X, INIT, b, c64, cm, t0 + W - 4, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT)
+    h1, h2, h3 = _history(X, INIT, b, c64, cm, t0 + W - 1, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT,
+                          W_DT, BC)
     if HAS_SID:
-        s1 = _seq_row(SID, b, t0 + W - 2, T, ssb, W)
-        s2 = _seq_row(SID, b, t0 + W - 3, T, ssb, W)
-        s3 = _seq_row(SID, b, t0 + W - 4, T, ssb, W)
+        s1, s2, s3 = _seq_history(SID, b, t0 + W - 1, T, ssb, W)
     xrow = X + b * sxb + c64 * sxc
     yrow = Y + b * syb + c64 * syc
     # rows t0 .. t0+PF-1 loaded ahead; each step loads the row PF ahead, so PF loads are in flight
@@ -179,26 +195,13 @@ def conv_bwd_kernel(X, INIT, SID, WGT, BIAS, DY, DX, DINIT, DW_PART, DB_PART, T,
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
     c64 = c.to(tl.int64)
-    w0 = _tap(WGT, c64, cm, 0, W)
-    w1 = _tap(WGT, c64, cm, 1, W)
-    w2 = _tap(WGT, c64, cm, 2, W)
-    w3 = _tap(WGT, c64, cm, 3, W)
+    w0, w1, w2, w3 = _taps(WGT, c64, cm, W)
     if HAS_BIAS:
         bias = tl.load(BIAS + c64, mask=cm, other=0.0).to(tl.float32)
     # inputs of lag 1..3 before the first step's newest position (q0): extended positions q0 - k
-    h1 = tl.zeros((BC,), dtype=tl.float32)
-    h2 = tl.zeros((BC,), dtype=tl.float32)
-    h3 = tl.zeros((BC,), dtype=tl.float32)
-    if W > 1:
-        h1 = _xe_row(X, INIT, b, c64, cm, q0 - 1, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT)
-    if W > 2:
-        h2 = _xe_row(X, INIT, b, c64, cm, q0 - 2, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT)
-    if W > 3:
-        h3 = _xe_row(X, INIT, b, c64, cm, q0 - 3, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT)
+    h1, h2, h3 = _history(X, INIT, b, c64, cm, q0, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT, BC)
     if HAS_SID:
-        s1 = _seq_row(SID, b, q0 - 1, T, ssb, W)
-        s2 = _seq_row(SID, b, q0 - 2, T, ssb, W)
-        s3 = _seq_row(SID, b, q0 - 3, T, ssb, W)
+        s1, s2, s3 = _seq_history(SID, b, q0, T, ssb, W)
     # input-gradient accumulators of the window's positions, by lag from the newest (e0) to the oldest
     e0 = tl.zeros((BC,), dtype=tl.float32)
     e1 = tl.zeros((BC,), dtype=tl.float32)

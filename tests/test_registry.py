@@ -256,7 +256,7 @@ def test_global_backend_ops_without_it_keep_their_choice(monkeypatch):
 def test_triton_interpret_read_one_way(monkeypatch, word, interpreting):
     """deltafuse's registry and both GDN kernels read TRITON_INTERPRET as Triton itself does."""
     knobs = pytest.importorskip("triton").knobs
-    chunk = pytest.importorskip("deltafuse.ops.gated_delta.kernel")
+    chunk = pytest.importorskip("deltafuse.ops.gated_delta.chunk_launch")
     monkeypatch.setenv("TRITON_INTERPRET", word)
     assert knobs.runtime.interpret is interpreting
     assert probes.triton_interpreting() is interpreting and chunk._interpreting() is interpreting

@@ -12,14 +12,14 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from deltafuse.ops.conv1d import kernel as conv_kernel  # noqa: E402
+from deltafuse.ops.conv1d import kernel_fwd_bwd  # noqa: E402
 from deltafuse.ops.conv1d.kernel import ConvOptions, causal_conv1d_fn_triton, configured  # noqa: E402
 from deltafuse.ops.conv1d.kernel_update import causal_conv1d_update_triton  # noqa: E402
 from deltafuse.ops.conv1d.naive import naive_causal_conv1d  # noqa: E402
 from deltafuse.ops.conv1d.reference import causal_conv1d_fn_torch, causal_conv1d_update_torch  # noqa: E402
 from tests.helpers import DEVICE, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402
 
-if DEVICE == "cpu" and not isinstance(conv_kernel._conv_fwd_kernel, triton.runtime.interpreter.InterpretedFunction):
+if DEVICE == "cpu" and not isinstance(kernel_fwd_bwd.conv_fwd_kernel, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
                 allow_module_level=True)
 
@@ -210,6 +210,34 @@ def test_options_are_recorded_by_the_forward_for_its_backward():
         grads.append([t.grad for t in leaves])
     for a, r in zip(*grads):
         assert_rel_close(a, r, 2e-6)
+
+
+def test_backward_runs_with_the_forward_options():
+    """Options are read once, when the forward runs: a backward inside a ``configured`` block of other options
+    runs with the forward's (gradients bit-equal to a run entirely under them, while a run entirely under the
+    other options sums dw over other blocks and differs in the last bits), whether the forward took them from a
+    ``configured`` block or as an argument."""
+    gen = torch.Generator().manual_seed(6)
+    x, w, b, h0 = _inputs(1, 6, 40, 4, bias=True, init=True, layout_btc=True, gen=gen)
+    dout = torch.randn(1, 6, 40, generator=gen).to(DEVICE)
+    mine, other = OPTION_SETS[0], OPTION_SETS[2]
+
+    def grads(fwd, bwd, **kwargs):
+        leaves = [t.detach().requires_grad_() for t in (x, w, b, h0)]
+        with configured(fwd):
+            out = causal_conv1d_fn_triton(leaves[0], leaves[1], leaves[2], "silu", initial_states=leaves[3],
+                                          **kwargs)
+        with configured(bwd):
+            out.backward(dout)
+        return [t.grad for t in leaves]
+
+    want = grads(mine, mine)
+    assert not torch.equal(grads(other, other)[1], want[1])  # the two option sets give different dw bits
+    for got in (grads(mine, other), grads(other, other, options=mine)):
+        for name, g, r in zip(("dx", "dweight", "dbias", "dinitial"), got, want):
+            assert torch.equal(g, r), name
+    with pytest.raises(TypeError, match="options must be a ConvOptions or None, got dict"):
+        causal_conv1d_fn_triton(x, w, b, "silu", options={"fwd_block_c": 8})
 
 
 @pytest.mark.parametrize("bad,match", [

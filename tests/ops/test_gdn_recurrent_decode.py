@@ -191,7 +191,7 @@ def test_every_option_gives_the_oracle(opts):
     ro, rh = oracle(xs, 0.25, True)
     for got, want, name in ((o, ro, "o"), (ht, rh, "state"), (o2, ro, "o (options=)"), (ht2, rh, "state (options=)")):
         assert_rel_close(got, want, TOL, name)
-    assert kr._in_effect[0] is kr.DEFAULT_OPTIONS
+    assert kr.options_in_effect() is kr.DEFAULT_OPTIONS
 
 
 @pytest.mark.parametrize("field,value", [("bv", 0), ("bv", 24), ("bv_min", 3), ("min_programs", 0),

@@ -16,6 +16,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from deltafuse.ops.gated_delta import chunk_launch  # noqa: E402
+from deltafuse.ops.gated_delta import chunk_options  # noqa: E402
 from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
 from deltafuse.ops.gated_delta import kernel_fwd  # noqa: E402
 from deltafuse.ops.gated_delta.kernel import chunk_gated_delta_rule_triton  # noqa: E402
@@ -143,7 +145,7 @@ def test_chunk_plan_tables(lengths):
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         first.append(len(rows))
         rows += [(s, c, b) for c in range(a, b, 64)]
-    plan = chunk_mod._Plan(bounds, torch.device("cpu"))
+    plan = chunk_launch.Plan(bounds, torch.device("cpu"))
     assert (plan.N, plan.NC) == (len(lengths), len(rows))
     assert plan.cu.tolist() == bounds
     assert plan.coff.tolist() == first + [len(rows)]
@@ -350,7 +352,7 @@ def test_fwd_v2_state_pass(wh, kv):
     H, HV, K, V = 1, 2, 32, 32
     bounds = [0, 1, 65, 130]  # lengths 1, 64, 65
     TT, N = bounds[-1], len(bounds) - 1
-    plan = chunk_mod._Plan(bounds, torch.device("cpu"))
+    plan = chunk_launch.Plan(bounds, torch.device("cpu"))
     k = torch.randn(TT, H, K, generator=gen).half()
     rk = (torch.rand(TT, H, generator=gen) + 0.5) / K**0.5
     w = (torch.randn(TT, HV, K, generator=gen) / K**0.5).half()
@@ -363,10 +365,10 @@ def test_fwd_v2_state_pass(wh, kv):
     hs = torch.full((plan.NC, HV, K, V), float("nan"))
     vn = torch.full((TT, HV, V), float("nan"))
     ht = torch.full((N, HV, K, V), float("nan"))
-    with chunk_mod.configured(chunk_mod.ChunkOptions(fwd_prod_wh=wh, fwd_prod_kv=kv, bv_hfwd=16)):
-        cfg = chunk_mod._Cfg(torch.float16, K, V, "fwd")
-        fc = chunk_mod._FwdCfg(cfg, False, K, V)
-        chunk_mod._state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, True)
+    cfg = chunk_launch.PassConfig(torch.float16, K, V, "fwd",
+                                  chunk_mod.ChunkOptions(fwd_prod_wh=wh, fwd_prod_kv=kv, bv_hfwd=16))
+    fc = chunk_launch.ForwardConfig(cfg, False, K, V)
+    chunk_launch.state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, True)
     rhs, rvn, rht = _state_reference(k, rk, w, u, gc, h0, bounds)
     errs = {n: rel_rms(a, b) for n, a, b in (("hs", hs, rhs), ("vn", vn, rvn), ("ht", ht, rht))}
     print(f"state pass wh={wh} kv={kv}:", errs)
@@ -409,7 +411,7 @@ def test_fwd_v2_output_kernel(store, qh, sv):
     H, HV, K, V = 1, 2, 32, 32
     bounds = [0, 1, 65, 130]
     TT = bounds[-1]
-    plan = chunk_mod._Plan(bounds, torch.device("cpu"))
+    plan = chunk_launch.Plan(bounds, torch.device("cpu"))
     q = torch.randn(TT, H, K, generator=gen).half()
     k = torch.randn(TT, H, K, generator=gen).half()
     rq = torch.rand(TT, H, generator=gen) + 0.05
@@ -422,10 +424,9 @@ def test_fwd_v2_output_kernel(store, qh, sv):
     vn = torch.randn(TT, HV, V, generator=gen).to(store)
     o = torch.full((TT, HV, V), float("nan"))
     opts = chunk_mod.ChunkOptions(fwd_prod_qh=qh, fwd_prod_sv=sv, bv_out=16, bk_out=16)
-    with chunk_mod.configured(opts):
-        cfg = chunk_mod._Cfg(torch.float16, K, V, "fwd")
-        fc = chunk_mod._FwdCfg(cfg, False, K, V)
-        chunk_mod._output(q, k, rq, rk, gc, hs, vn, o, plan, 0.3, cfg, fc, True)
+    cfg = chunk_launch.PassConfig(torch.float16, K, V, "fwd", opts)
+    fc = chunk_launch.ForwardConfig(cfg, False, K, V)
+    chunk_launch.output(q, k, rq, rk, gc, hs, vn, o, plan, 0.3, cfg, fc, True)
     ref = _out_reference(q, k, rq, rk, gc, hs, vn, plan.chunks, 0.3)
     assert torch.isfinite(o).all()
     err = rel_rms(o, ref)
@@ -451,13 +452,13 @@ def test_fp32_storage_of_16bit_inputs_is_refused_on_a_gpu(monkeypatch, which):
     """fp32-stored states with 16-bit inputs gave NaN and an illegal memory access on the H200 (Triton 3.6): the
     configuration is refused before any kernel runs on a GPU; fp32 inputs (which always store fp32) and the
     interpreter keep it."""
-    monkeypatch.setattr(chunk_mod, "_interpreting", lambda: False)
-    with chunk_mod.configured(chunk_mod.ChunkOptions(**{which + "_store": "fp32"})):
-        with pytest.raises(ValueError, match=f"{which}_store='fp32' with bfloat16 inputs is refused on a GPU.*"
-                                             "allowed: 'input'"):
-            chunk_mod._Cfg(torch.bfloat16, 128, 128, which)
-        assert chunk_mod._Cfg(torch.float32, 128, 128, which).store == torch.float32
-    assert chunk_mod._Cfg(torch.bfloat16, 128, 128, which).store == torch.bfloat16
+    monkeypatch.setattr(chunk_launch, "_interpreting", lambda: False)
+    fp32 = chunk_mod.ChunkOptions(**{which + "_store": "fp32"})
+    with pytest.raises(ValueError, match=f"{which}_store='fp32' with bfloat16 inputs is refused on a GPU.*"
+                                         "allowed: 'input'"):
+        chunk_launch.PassConfig(torch.bfloat16, 128, 128, which, fp32)
+    assert chunk_launch.PassConfig(torch.float32, 128, 128, which, fp32).store == torch.float32
+    assert chunk_launch.PassConfig(torch.bfloat16, 128, 128, which, chunk_mod.DEFAULT_OPTIONS).store == torch.bfloat16
 
 
 def test_fwd_v2_options_are_validated():
@@ -584,6 +585,40 @@ def test_bwd_v2_switches_fp16(G, l2):
             assert not torch.equal(grads["k"], base["k"]), f"{switches} changed nothing"
 
 
+def test_backward_runs_with_the_forward_options_and_stage_hook():
+    """Options and stage hook are read once, when the forward runs: a backward inside another ``configured`` block
+    (or given other arguments) runs with the forward's (bit-equal gradients to a run entirely under them, unlike a
+    run entirely under the other options) and reports its stages to the forward's hook."""
+    xs, cu_t = make_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float16, h0=True, cu=[0, 1, 70], l2=True, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    do = torch.randn(1, 70, 2, 16, generator=gen, dtype=torch.float64)
+    dht = torch.randn(2, 2, 16, 16, generator=gen, dtype=torch.float64)
+    a, b = chunk_mod.ChunkOptions(**V2_BASE), chunk_mod.DEFAULT_OPTIONS
+    want, other = _v2_grads(xs, cu_t, do, dht, True, a), _v2_grads(xs, cu_t, do, dht, True, b)
+    assert not torch.equal(want["k"], other["k"])  # the two option sets give different dk
+    backward_stages = ["l2norm", "intra", "state", "dv_local", "state_bwd", "bwd_wy", "bwd_out", "bwd_reduce"]
+    for how in ("configured", "arguments"):
+        seen_a, seen_b = [], []
+        ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
+        args = (ours["q"], ours["k"], ours["v"], ours["g"], ours["beta"], 0.25, ours["initial_state"], True, True, cu_t)
+        if how == "configured":
+            with chunk_mod.configured(a, stage_hook=seen_a.append):
+                o, ht = chunk_gated_delta_rule_triton(*args)
+        else:
+            o, ht = chunk_gated_delta_rule_triton(*args, options=a, stage_hook=seen_a.append)
+        assert seen_a == ["l2norm", "intra", "state", "out"], how
+        del seen_a[:]
+        with chunk_mod.configured(b, stage_hook=seen_b.append):
+            assert chunk_mod.options_in_effect() is b
+            ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+        assert seen_a == backward_stages and seen_b == [], (how, seen_a, seen_b)
+        for n, x in ours.items():
+            assert torch.equal(x.grad, want[n]), (how, n)
+    assert chunk_mod.options_in_effect() is chunk_mod.DEFAULT_OPTIONS
+    with pytest.raises(TypeError, match="options must be a ChunkOptions or None, got dict"):
+        chunk_gated_delta_rule_triton(*(xs[n] for n in ("q", "k", "v", "g", "beta")), 0.25, options=dict(V2_BASE))
+
+
 def test_bwd_v2_options_validated():
     """The backward's ChunkOptions fields refuse what the kernels cannot take, naming field, value and what is
     allowed; stages need not be powers of two."""
@@ -644,7 +679,7 @@ def test_intra_inverse(inv, kind):
     a = _wy_tiles(8, kind, gen)
     ref = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + a)
     t = torch.full((8, 64, 64), float("nan"), device=DEVICE)
-    _inverse_kernel[(8,)](a.float().to(DEVICE), t, INV=chunk_mod._INV_MODES[inv])
+    _inverse_kernel[(8,)](a.float().to(DEVICE), t, INV=chunk_options.INV_MODES[inv])
     t = t.cpu()
     assert torch.isfinite(t).all()
     assert torch.equal(torch.triu(t, 1), torch.zeros_like(t)) and torch.equal(torch.diagonal(t, 0, 1, 2),
@@ -696,16 +731,16 @@ def test_intra_kernel_fp16(inv, prod):
     H, HV, K, V = 1, 2, 32, 32
     bounds = [0, 1, 65, 130]
     TT = bounds[-1]
-    plan = chunk_mod._Plan(bounds, torch.device("cpu"))
+    plan = chunk_launch.Plan(bounds, torch.device("cpu"))
     k = torch.randn(TT, H, K, generator=gen).half()
     rk = 1.0 / k.float().norm(dim=-1)
     v = torch.randn(TT, HV, V, generator=gen).half()
     g = (-torch.nn.functional.softplus(torch.randn(TT, HV, generator=gen) * 1.5 - 0.5)).half()
     beta = torch.sigmoid(torch.randn(TT, HV, generator=gen)).half()
-    with chunk_mod.configured(chunk_mod.ChunkOptions(intra_inv=inv, intra_prod=prod, fwd_store="fp32")):
-        cfg = chunk_mod._Cfg(torch.float16, K, V, "fwd")
-        assert (cfg.INV, cfg.intra_mode) == (chunk_mod._INV_MODES[inv], chunk_mod._PROD_MODES[prod])
-        gc, w, u, tinv = chunk_mod._prepare(k, rk, v, g, beta, plan, cfg, True, True)
+    cfg = chunk_launch.PassConfig(torch.float16, K, V, "fwd",
+                                  chunk_mod.ChunkOptions(intra_inv=inv, intra_prod=prod, fwd_store="fp32"))
+    assert (cfg.INV, cfg.intra_mode) == (chunk_options.INV_MODES[inv], chunk_options.PROD_MODES[prod])
+    gc, w, u, tinv = chunk_launch.prepare(k, rk, v, g, beta, plan, cfg, True, True)
     rgc, rt, rw, ru = _intra_reference(k, rk, v, g, beta, bounds, H)
     for name, out in (("gc", gc), ("T", tinv), ("w", w), ("u", u)):
         assert out.dtype == torch.float32 and torch.isfinite(out).all(), name

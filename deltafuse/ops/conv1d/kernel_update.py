@@ -1,6 +1,6 @@
 """Triton causal conv1d decoding step: one launch reads the state window and the new inputs and writes the
 outputs and the shifted state in place (no host synchronisation). The tunables (``update_block_c``,
-``update_warps``) are fields of ``kernel.ConvOptions``.
+``update_warps``) are fields of ``options.ConvOptions``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafuse.ops.conv1d.kernel import _TL, _check_dtypes, current_options
+from deltafuse.ops.conv1d.kernel import TL_DTYPES, check_dtypes
+from deltafuse.ops.conv1d.options import ConvOptions, resolve
 
 
 @triton.jit
@@ -51,12 +52,15 @@ def _conv_update_kernel(X, STATE, WGT, BIAS, Y, C, sxb, sxc, sxt, ssb, ssc, sss,
         tl.store(STATE + b * ssb + c64 * ssc + i * sss, v.to(STATE.dtype.element_ty), mask=cm)
 
 
-def causal_conv1d_update_triton(x, conv_state, weight, bias=None, activation=None):
+def causal_conv1d_update_triton(x, conv_state, weight, bias=None, activation=None, *,
+                                options: ConvOptions | None = None):
     """Same contract as ``reference.causal_conv1d_update_torch``, in one kernel launch: x [B, C, T_new] (or
     [B, C], one token, returned as [B, C]); conv_state [B, C, S >= W-1] is shifted left by T_new with the new
     inputs appended, in place, values passing through weight's dtype as in the torch function. No autograd
-    (the state is written in place): a differentiable step takes the torch route."""
-    _check_dtypes(x=x, conv_state=conv_state, weight=weight, bias=bias)
+    (the state is written in place): a differentiable step takes the torch route. ``options``: the tunables
+    (default: ``options.current_options()``), read once, here."""
+    check_dtypes(x=x, conv_state=conv_state, weight=weight, bias=bias)
+    options = resolve(options)
     squeeze = x.dim() == 2
     if squeeze:
         x = x.unsqueeze(-1)
@@ -75,10 +79,10 @@ def causal_conv1d_update_triton(x, conv_state, weight, bias=None, activation=Non
     y = torch.empty((B, C, T_new), dtype=x.dtype, device=x.device)
     if B and C:  # T_new = 0 still rounds the state through weight's dtype, as the torch function does
         weight_c = weight.contiguous()
-        opts = current_options()
+        opts = options
         _conv_update_kernel[(triton.cdiv(C, opts.update_block_c), B)](
             x, conv_state, weight_c, bias if bias is not None else weight_c, y, C, *x.stride(),
             *conv_state.stride(), *y.stride(), W=W, S=S, T_NEW=T_new, HAS_BIAS=bias is not None,
-            ACT=activation is not None, W_DT=_TL[weight.dtype], BC=opts.update_block_c,
+            ACT=activation is not None, W_DT=TL_DTYPES[weight.dtype], BC=opts.update_block_c,
             num_warps=opts.update_warps)
     return y[..., 0] if squeeze else y

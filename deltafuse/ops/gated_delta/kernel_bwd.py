@@ -1,7 +1,7 @@
 """Chunked gated delta rule in Triton: the backward kernels.
 
 The recurrence, the chunk algebra and the grid of every kernel are described in ``kernel.py`` (the op's Triton
-entry, which launches these kernels); the device helpers and the forward kernels are in ``kernel_fwd.py``.
+entry); ``chunk_launch.py`` launches these kernels; the device helpers and the forward kernels are in ``kernel_fwd.py``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_x, _dot_xa, _rows
+from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_x, _dot_xa, _rows, chunk_tokens, sequence_program
 
 # --------------------------------------------------------------------------------------------------
 # backward device helpers
@@ -20,9 +20,9 @@ from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_x, _dot_xa, 
 def _mix_a(a, b, MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """a @ b for a computed fp32 ``a`` and ``b`` exact in DT (loaded inputs or stored values).
 
-    MODE (kernel._PROD_MODES) 0: one fp32 product at precision PREC; 2 ("x2"): ``a`` split into two DT parts
-    (hi + lo, about 16 mantissa bits) and two 16-bit products; 1 ("16"): ``a`` rounded to DT, one 16-bit product. An fp32 ``b`` (fp32 storage)
-    always takes the fp32 product.
+    MODE (chunk_options.PROD_MODES) 0: one fp32 product at precision PREC; 2 ("x2"): ``a`` split into two DT
+    parts (hi + lo, about 16 mantissa bits) and two 16-bit products; 1 ("16"): ``a`` rounded to DT, one 16-bit
+    product. An fp32 ``b`` (fp32 storage) always takes the fp32 product.
     """
     if MODE == 2 and b.dtype != tl.float32:
         ah = a.to(DT)
@@ -71,11 +71,7 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
     pid_c = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // (HV // H)
-    start = tl.load(chunks_ptr + pid_c * 3 + 1).to(tl.int64)
-    end = tl.load(chunks_ptr + pid_c * 3 + 2).to(tl.int64)
-    rows = tl.arange(0, 64)
-    tok = start + rows
-    valid = tok < end
+    start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
     q = tl.load(q_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
@@ -99,18 +95,7 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
                cu_ptr, coff_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, HAS_DHT: tl.constexpr,
                STORE_DH0: tl.constexpr, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    # one grid axis, V blocks fastest (the order of the former [V block, sequence x head] grid): a second
-    # axis is limited to 65,535 programs, fewer than sequences x heads of a row of many short sequences
-    pid = tl.program_id(0)
-    pid_v = pid % ((V + BV - 1) // BV)
-    pid_nh = pid // ((V + BV - 1) // BV)
-    n = pid_nh // HV
-    hv = pid_nh % HV
-    h = hv // (HV // H)
-    bos = tl.load(cu_ptr + n).to(tl.int64)
-    eos = tl.load(cu_ptr + n + 1).to(tl.int64)
-    coff = tl.load(coff_ptr + n).to(tl.int64)
-    nt = tl.cdiv(eos - bos, 64)
+    pid_v, n, hv, h, bos, eos, coff, nt = sequence_program(cu_ptr, coff_ptr, H, HV, V, BV)
     rows = tl.arange(0, 64)
     ck = tl.arange(0, BK)
     cv = pid_v * BV + tl.arange(0, BV)
@@ -160,11 +145,8 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     hv = pid % HV
     pid_c = pid // HV
     h = hv // (HV // H)
-    start = tl.load(chunks_ptr + pid_c * 3 + 1).to(tl.int64)
-    end = tl.load(chunks_ptr + pid_c * 3 + 2).to(tl.int64)
+    start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
     rows = tl.arange(0, 64)
-    tok = start + rows
-    valid = tok < end
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
     k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
@@ -236,11 +218,8 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
     pid_c = pid // HV
     G: tl.constexpr = HV // H
     h = hv // G
-    start = tl.load(chunks_ptr + pid_c * 3 + 1).to(tl.int64)
-    end = tl.load(chunks_ptr + pid_c * 3 + 2).to(tl.int64)
+    start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
     rows = tl.arange(0, 64)
-    tok = start + rows
-    valid = tok < end
     last_row = tl.minimum(end - start, 64) - 1
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)

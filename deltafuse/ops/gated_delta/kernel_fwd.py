@@ -1,7 +1,7 @@
 """Chunked gated delta rule in Triton: the device helpers and the forward kernels.
 
 The recurrence, the chunk algebra and the grid of every kernel are described in ``kernel.py`` (the op's Triton
-entry, which launches these kernels); the backward kernels are in ``kernel_bwd.py``.
+entry); ``chunk_launch.py`` launches these kernels; the backward kernels are in ``kernel_bwd.py``.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def _dot_xa(a, b, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
         return tl.dot(a, b.to(tl.float32), input_precision=PREC)
 
 
-# product modes of a 16-bit operand with an fp32 one (ChunkOptions' "tf32" / "16" / "x2"); kernel.py maps the
-# option strings to these numbers
+# product modes of a 16-bit operand with an fp32 one (ChunkOptions' "tf32" / "16" / "x2"); chunk_options.PROD_MODES
+# maps the option strings to these numbers
 MODE_FP32 = tl.constexpr(0)
 MODE_16 = tl.constexpr(1)
 MODE_X2 = tl.constexpr(2)
@@ -184,6 +184,34 @@ def _rows(r_ptr, tok, H: tl.constexpr, h, valid, L2: tl.constexpr):
         return tl.where(valid, 1.0, 0.0)
 
 
+@triton.jit
+def chunk_tokens(chunks_ptr, c):
+    """(start, end, tok, valid) of chunk c (a row of the plan's chunk table: sequence, start, end): its first
+    token, the end of its sequence, the 64 token indices from start and which of them are in the sequence."""
+    start = tl.load(chunks_ptr + c * 3 + 1).to(tl.int64)
+    end = tl.load(chunks_ptr + c * 3 + 2).to(tl.int64)
+    tok = start + tl.arange(0, 64)
+    return start, end, tok, tok < end
+
+
+@triton.jit
+def sequence_program(cu_ptr, coff_ptr, H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """(pid_v, n, hv, h, bos, eos, coff, nt) of a program of a sequential pass: one grid axis, V blocks fastest
+    (the order of the former [V block, sequence x head] grid; a second axis is limited to 65,535 programs, fewer
+    than sequences x heads of a row of many short sequences). Its V block, sequence, value head and q/k head, the
+    sequence's tokens [bos, eos), its first chunk's index and its number of chunks."""
+    pid = tl.program_id(0)
+    pid_v = pid % ((V + BV - 1) // BV)
+    pid_nh = pid // ((V + BV - 1) // BV)
+    n = pid_nh // HV
+    hv = pid_nh % HV
+    h = hv // (HV // H)
+    bos = tl.load(cu_ptr + n).to(tl.int64)
+    eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + n).to(tl.int64)
+    return pid_v, n, hv, h, bos, eos, coff, tl.cdiv(eos - bos, 64)
+
+
 # --------------------------------------------------------------------------------------------------
 # forward kernels
 # --------------------------------------------------------------------------------------------------
@@ -217,11 +245,8 @@ def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv
     pid_c = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // (HV // H)
-    start = tl.load(chunks_ptr + pid_c * 3 + 1).to(tl.int64)
-    end = tl.load(chunks_ptr + pid_c * 3 + 2).to(tl.int64)
+    start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
     rows = tl.arange(0, 64)
-    tok = start + rows
-    valid = tok < end
     ck = tl.arange(0, BK)
     g = tl.load(g_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
     gc = tl.cumsum(g, 0)
@@ -256,18 +281,7 @@ def _state_fwd(k_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_ptr, vn_ptr, ht_p
     """The sequential pass over chunks, the state in fp32 registers: stores the state at each chunk start (hs)
     and v' = u - w h (vn; ``vn_ptr`` may be ``u_ptr``: each program reads its u tile before it writes the same
     elements). WH / KV: product modes (_dot_m) of w h and of k^T (decayed v')."""
-    # one grid axis, V blocks fastest (the order of the former [V block, sequence x head] grid): a second
-    # axis is limited to 65,535 programs, fewer than sequences x heads of a row of many short sequences
-    pid = tl.program_id(0)
-    pid_v = pid % ((V + BV - 1) // BV)
-    pid_nh = pid // ((V + BV - 1) // BV)
-    n = pid_nh // HV
-    hv = pid_nh % HV
-    h = hv // (HV // H)
-    bos = tl.load(cu_ptr + n).to(tl.int64)
-    eos = tl.load(cu_ptr + n + 1).to(tl.int64)
-    coff = tl.load(coff_ptr + n).to(tl.int64)
-    nt = tl.cdiv(eos - bos, 64)
+    pid_v, n, hv, h, bos, eos, coff, nt = sequence_program(cu_ptr, coff_ptr, H, HV, V, BV)
     rows = tl.arange(0, 64)
     ck = tl.arange(0, BK)
     cv = pid_v * BV + tl.arange(0, BV)

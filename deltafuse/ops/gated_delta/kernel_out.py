@@ -1,8 +1,8 @@
 """Chunked gated delta rule in Triton: the forward's output kernel.
 
-The chunk algebra and the grid of every kernel are described in ``kernel.py`` (the op's Triton entry, which
-launches this kernel). The sequential pass (``kernel_fwd._state_fwd``) stores the state at every chunk start
-and v'; with them the chunks are independent, so the output runs over all chunks at once:
+The chunk algebra and the grid of every kernel are described in ``kernel.py`` (the op's Triton entry;
+``chunk_launch.py`` launches this kernel). The sequential pass (``kernel_fwd._state_fwd``) stores the state at
+every chunk start and v'; with them the chunks are independent, so the output runs over all chunks at once:
 
     o = scale ((q rq exp(gc)) h + lower_incl(q k^T rq rk D) v')
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_m, _dot_ma, _rows
+from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_m, _dot_ma, _rows, chunk_tokens
 
 
 @triton.jit
@@ -31,11 +31,7 @@ def _out_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks
     hv = pid_ch % HV
     c = pid_ch // HV
     h = hv // (HV // H)
-    start = tl.load(chunks_ptr + c * 3 + 1).to(tl.int64)
-    end = tl.load(chunks_ptr + c * 3 + 2).to(tl.int64)
-    rows = tl.arange(0, 64)
-    tok = start + rows
-    valid = tok < end
+    start, end, tok, valid = chunk_tokens(chunks_ptr, c)
     cv = pid_v * BV + tl.arange(0, BV)
     h_base = hs_ptr + (c.to(tl.int64) * HV + hv) * (K * V)
     acc = tl.zeros([64, BV], dtype=tl.float32)

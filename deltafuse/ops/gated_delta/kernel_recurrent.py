@@ -24,6 +24,7 @@ state traffic of a decoding step. Tile sizes and warps are fields of ``Recurrent
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -68,21 +69,34 @@ class RecurrentOptions:
 
 
 DEFAULT_OPTIONS = RecurrentOptions()
-_in_effect: list = [DEFAULT_OPTIONS]
+# the options of calls that pass none: the defaults, except inside a ``configured`` block
+_DEFAULT: contextvars.ContextVar[RecurrentOptions] = contextvars.ContextVar("deltafuse_recurrent_options",
+                                                                            default=DEFAULT_OPTIONS)
+
+
+def options_in_effect() -> RecurrentOptions:
+    """The options a call that passes none runs with now (the defaults outside a ``configured`` block)."""
+    return _DEFAULT.get()
+
+
+def _resolve(options) -> RecurrentOptions:
+    """``options`` when given (checked), else those in effect."""
+    if options is None:
+        return _DEFAULT.get()
+    if not isinstance(options, RecurrentOptions):
+        raise TypeError(f"options must be a RecurrentOptions or None, got {type(options).__name__}")
+    return options
 
 
 @contextlib.contextmanager
 def configured(options: RecurrentOptions | None = None):
-    """Run the recurrent kernel with ``options`` inside the block (a benchmark's sweep); what was in effect
-    before is restored on exit."""
-    if options is not None and not isinstance(options, RecurrentOptions):
-        raise TypeError(f"options must be a RecurrentOptions or None, got {type(options).__name__}")
-    saved = _in_effect[0]
-    _in_effect[0] = DEFAULT_OPTIONS if options is None else options
+    """Calls of the recurrent kernel inside the block that pass no ``options`` run with these (a benchmark's
+    sweep); each call reads them once, at its start. What was in effect before is restored on exit."""
+    token = _DEFAULT.set(DEFAULT_OPTIONS if options is None else _resolve(options))
     try:
         yield
     finally:
-        _in_effect[0] = saved
+        _DEFAULT.reset(token)
 
 
 def _pow2(n: int) -> int:
@@ -94,7 +108,7 @@ def launch_config(N: int, HV: int, K: int, V: int, options: RecurrentOptions | N
                   interpreting: bool | None = None) -> tuple[int, int, int, int]:
     """(BK, BV, warps, stages) the kernel runs with for N sequences of HV heads of size K x V. The interpreter
     uses small fixed tiles unless options other than the defaults are given (tests of the options)."""
-    opts = _in_effect[0] if options is None else options
+    opts = _resolve(options)
     interp = triton_interpreting() if interpreting is None else interpreting
     return _launch_config(N, HV, K, V, opts, bool(interp))
 
@@ -203,7 +217,7 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
     ``inplace_final_state=True`` (with ``output_final_state`` and an fp32 contiguous ``initial_state``) writes
     the final state over ``initial_state`` and returns that tensor: what a decoding cache that replaces its
     state with the new one wants (no allocation, and the cache's copy of the result onto its state is a copy
-    onto itself). ``options``: the tunables (default: those in effect, see ``configured``).
+    onto itself). ``options``: the tunables (default: those in effect, see ``configured``), read once, here.
     """
     if torch.is_grad_enabled():
         for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
@@ -211,6 +225,7 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
                 raise RuntimeError(
                     f"fused_recurrent_gated_delta_rule_triton: {name} requires grad, but this kernel has no "
                     "backward; call it under torch.no_grad() or use chunk_gated_delta_rule for training")
+    options = _resolve(options)
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
     if K > 256:

@@ -1,0 +1,299 @@
+"""Chunked gated delta rule in Triton: the host side of the kernels (chunk tables, launch configuration, the
+launches of the forward and of the backward).
+
+Every launch takes its tunables from the ``ChunkOptions`` it is handed (``PassConfig``) and reports to the stage
+hook it is handed; nothing here reads a default. The recurrence, the chunk algebra and the grid of every kernel
+are described in ``kernel.py`` (the op's Triton entry and autograd Function).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltafuse.config import triton_interpreting
+from deltafuse.ops._checks import host_offsets
+from deltafuse.ops.gated_delta.chunk_options import INV_MODES, PROD_MODES, ChunkOptions, StageHook
+from deltafuse.ops.gated_delta.kernel_bwd import _bwd_out, _bwd_reduce, _bwd_wy, _dv_local, _state_bwd
+from deltafuse.ops.gated_delta.kernel_fwd import _intra_fwd, _l2norm_rstd, _state_fwd
+from deltafuse.ops.gated_delta.kernel_out import _out_fwd
+
+BT = 64  # chunk length; the in-chunk inverse (kernel_fwd._unit_lower_inverse) is written for 4 blocks of 16
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _interpreting() -> bool:
+    return triton_interpreting()
+
+
+class Plan:
+    """Sequence and chunk bookkeeping for one call (int32 tables on the inputs' device).
+
+    Built with tensor operations on the host (no per-sequence or per-chunk Python loop: a packed row of
+    thousands of short sequences gets a new plan every step) and copied to the device in one transfer.
+    """
+
+    def __init__(self, bounds: list[int], device: torch.device):
+        b = torch.tensor(bounds, dtype=torch.int64)
+        starts, ends = b[:-1], b[1:]
+        counts = (ends - starts + BT - 1) // BT  # chunks per sequence
+        offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+        self.N = counts.numel()
+        self.NC = int(offsets[-1])
+        seq = torch.repeat_interleave(torch.arange(self.N), counts)  # sequence of every chunk
+        within = torch.arange(self.NC) - offsets[:-1][seq]  # chunk index inside its sequence
+        rows = torch.stack([seq, starts[seq] + within * BT, ends[seq]], 1)  # (sequence, start, end)
+        if not self.NC:
+            rows = rows.new_zeros(1, 3)
+        table = torch.cat([b, offsets, rows.reshape(-1)]).to(torch.int32).to(device, non_blocking=True)
+        n1 = len(bounds)
+        self.cu = table[:n1]
+        self.coff = table[n1:2 * n1]
+        self.chunks = table[2 * n1:]
+
+
+_PLANS: dict = {}
+
+
+def plan_for(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> Plan:
+    """Chunk tables, cached by sequence layout (they depend on lengths only, never on values)."""
+    bounds = tuple(n * T for n in range(B + 1)) if cu_seqlens is None else host_offsets(cu_seqlens)
+    key = (bounds, str(device))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 64:
+            _PLANS.pop(next(iter(_PLANS)))
+        plan = _PLANS[key] = Plan(list(bounds), device)
+    return plan
+
+
+class PassConfig:
+    """Compile-time choices for one pass ("fwd" or "bwd") of one dtype / head-size family under ``options``;
+    ``stage_hook(stage_name)`` is called after each kernel launch of the pass (``mark``)."""
+
+    def __init__(self, dtype: torch.dtype, K: int, V: int, which: str, options: ChunkOptions,
+                 stage_hook: StageHook | None = None):
+        interp = _interpreting()
+        opts = self.options = options
+        self.stage_hook = stage_hook
+        self.BK = max(16, triton.next_power_of_2(K))
+        self.DT = TL_DTYPES[dtype]
+        full = dtype == torch.float32
+        # precision of fp32-operand products: exact in the interpreter, three-pass tf32 for fp32 inputs
+        self.PREC = "ieee" if interp else ("tf32x3" if full else "tf32")
+        self.X2 = (not full) and bool(getattr(opts, which + "_x2"))
+        # the in-chunk kernel: inverse of the diagonal blocks, product mode of T with k and v (kernel_fwd._dot_ma)
+        self.INV = INV_MODES[opts.intra_inv]
+        self.intra_mode = PROD_MODES["16"] if (not full and opts.intra_prod == "16") else (
+            PROD_MODES["x2"] if self.X2 else PROD_MODES["tf32"])
+        if not (full or interp) and getattr(opts, which + "_store") == "fp32":
+            # the sequential pass with fp32-stored states and 16-bit inputs gave NaN outputs and then an illegal
+            # memory access on the H200 with Triton 3.6 (BENCHMARKS.md, session 6); the interpreter tests keep it
+            raise ValueError(f"ChunkOptions.{which}_store='fp32' with {str(dtype).replace('torch.', '')} inputs is "
+                             "refused on a GPU (NaN outputs and an illegal memory access on the H200 with Triton "
+                             "3.6); allowed: 'input' (fp32 inputs always store fp32)")
+        self.store = torch.float32 if (full or getattr(opts, which + "_store") == "fp32") else dtype
+        vmax = max(16, triton.next_power_of_2(V))
+        names = ("intra", "dvl", "wy", "bo")
+        self.bv = {n: min(vmax, 16 if interp else getattr(opts, "bv_" + n)) for n in names}
+        # Head sizes under 64 (tiles of 16 or 32 columns) gave wrong outputs with 8 warps and illegal memory
+        # accesses with 4 on the H200 (Triton 3.6); 2 warps are correct there (BENCHMARKS.md, small heads).
+        small = min(self.BK, vmax) < 64
+        warps = {n: getattr(opts, "warps_" + n) for n in names}
+        self.nw = {n: 1 if interp else (min(2, warps[n]) if small else warps[n]) for n in names}
+        self.stages = 1 if interp else opts.stages
+
+    def mark(self, name: str) -> None:
+        """A kernel launch of stage ``name`` is done: tell the stage hook, if any."""
+        if self.stage_hook is not None:
+            self.stage_hook(name)
+
+
+def _rstd(q, k, L2, cfg):
+    """rsqrt(|x|^2 + eps) per row of q and k, or (None, None) when the l2norm is off."""
+    if not L2:
+        return None, None
+    TT, H, K = q.shape
+    rq = torch.empty(TT, H, device=q.device, dtype=torch.float32)
+    rk = torch.empty(TT, H, device=q.device, dtype=torch.float32)
+    if TT:
+        _l2norm_rstd[(triton.cdiv(TT, 64), H)](q, k, rq, rk, TT, H=H, K=K, BK=max(16, triton.next_power_of_2(K)),
+                                               num_warps=1 if _interpreting() else 4)
+    cfg.mark("l2norm")
+    return rq, rk
+
+
+def prepare(k, rk, v, g, beta, plan, cfg, L2, store_t):
+    TT, H, K = k.shape
+    HV, V = v.shape[-2:]
+    dev = k.device
+    gc = torch.empty(TT, HV, device=dev, dtype=torch.float32)
+    w = torch.empty(TT, HV, K, device=dev, dtype=cfg.store)
+    u = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+    tinv = torch.empty(TT, HV, BT, device=dev, dtype=torch.float32) if store_t else None
+    if plan.NC:
+        _intra_fwd[(plan.NC, HV)](k, rk if L2 else gc, v, g, beta, gc, w, u, tinv if store_t else gc, plan.chunks,
+                                  H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=cfg.bv["intra"], L2=L2, STORE_T=store_t,
+                                  MODE=cfg.intra_mode, INV=cfg.INV, PREC=cfg.PREC, DT=cfg.DT,
+                                  num_warps=cfg.nw["intra"], num_stages=cfg.stages)
+    cfg.mark("intra")
+    return gc, w, u, tinv
+
+
+class ForwardConfig:
+    """Tiles, warps, stages and product modes of the forward's sequential pass and output kernel (under the
+    options of ``cfg``)."""
+
+    def __init__(self, cfg: PassConfig, full: bool, K: int, V: int):
+        interp = _interpreting()
+        opts = cfg.options
+        vmax = max(16, triton.next_power_of_2(V))
+        # the interpreter honours the tile widths (capped at the head size) so that tests reach every tiling
+        self.bv_state = min(vmax, opts.bv_hfwd)
+        self.bv_out = min(vmax, opts.bv_out)
+        self.bk_out = min(cfg.BK, opts.bk_out)
+        # head sizes under 64: 2 warps at most (see PassConfig)
+        small = min(cfg.BK, vmax) < 64
+        self.nw_state = 1 if interp else (min(2, opts.warps_hfwd) if small else opts.warps_hfwd)
+        self.nw_out = 1 if interp else (min(2, opts.warps_out) if small else opts.warps_out)
+        self.stages_state = 1 if interp else opts.stages_hfwd
+        self.stages_out = 1 if interp else opts.stages_out
+        mode = {n: 0 if full else PROD_MODES[getattr(opts, "fwd_prod_" + n)] for n in ("wh", "kv", "qh", "sv")}
+        self.WH, self.KV, self.QH, self.SV = mode["wh"], mode["kv"], mode["qh"], mode["sv"]
+
+
+def state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, L2):
+    """The forward's sequential pass: chunk-start states into ``hs``, v' into ``vn``, the final state into ``ht``
+    (when not None)."""
+    TT, H, K = k.shape
+    HV, V = u.shape[-2:]
+    _state_fwd[(triton.cdiv(V, fc.bv_state) * plan.N * HV,)](
+        k, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, hs, vn, ht if ht is not None else gc, plan.cu,
+        plan.coff, H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=fc.bv_state, L2=L2, HAS_H0=h0 is not None,
+        STORE_HT=ht is not None, WH=fc.WH, KV=fc.KV, PREC=cfg.PREC, DT=cfg.DT, num_warps=fc.nw_state,
+        num_stages=fc.stages_state)
+    cfg.mark("state")
+
+
+def output(q, k, rq, rk, gc, hs, vn, o, plan, scale, cfg, fc, L2):
+    """o = scale ((q rq exp(gc)) h + lower_incl(q k^T rq rk D) v') for every chunk, written into ``o``."""
+    TT, H, K = q.shape
+    HV, V = vn.shape[-2:]
+    if plan.NC:
+        _out_fwd[(plan.NC * HV * triton.cdiv(V, fc.bv_out),)](
+            q, k, rq if L2 else gc, rk if L2 else gc, gc, hs, vn, o, plan.chunks, scale, H=H, HV=HV, K=K, V=V,
+            BK=fc.bk_out, BV=fc.bv_out, L2=L2, QH=fc.QH, SV=fc.SV, PREC=cfg.PREC, DT=cfg.DT,
+            num_warps=fc.nw_out, num_stages=fc.stages_out)
+    cfg.mark("out")
+    return o
+
+
+def forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan, options: ChunkOptions,
+            stage_hook: StageHook | None = None):
+    """o (and the final state when ``want_ht``) of the flattened inputs, with ``options``."""
+    TT, H, K = q.shape
+    HV, V = v.shape[-2:]
+    cfg = PassConfig(q.dtype, K, V, "fwd", options, stage_hook)
+    fc = ForwardConfig(cfg, q.dtype == torch.float32, K, V)
+    rq, rk = _rstd(q, k, L2, cfg)
+    gc, w, u, _ = prepare(k, rk, v, g, beta, plan, cfg, L2, False)
+    hs = torch.empty(max(plan.NC, 1), HV, K, V, device=q.device, dtype=cfg.store)
+    ht = torch.empty(plan.N, HV, K, V, device=q.device, dtype=torch.float32) if want_ht else None
+    # v' is written over u (same dtype and layout; each program reads its u tile before writing it)
+    state_pass(k, rk, w, u, gc, h0, hs, u, ht, plan, cfg, fc, L2)
+    del w
+    o = output(q, k, rq, rk, gc, hs, u, torch.empty(TT, HV, V, device=q.device, dtype=q.dtype), plan, scale,
+                cfg, fc, L2)
+    del hs, u  # the chunk states and v' go as soon as o is written; the backward recomputes them
+    return o, ht
+
+
+def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: ChunkOptions,
+             stage_hook: StageHook | None = None):
+    """(dq, dk, dv, dg, dbeta, dh0) of the flattened inputs, with ``options`` (those of the forward: its sequential
+    pass is recomputed with the forward's tiles and products)."""
+    TT, H, K = q.shape
+    HV, V = v.shape[-2:]
+    G = HV // H
+    dev = q.device
+    cfg = PassConfig(q.dtype, K, V, "bwd", options, stage_hook)
+    opts = options
+    interp = _interpreting()
+    full = q.dtype == torch.float32
+    # the small-head rule of PassConfig (2 warps at most under 64 columns) for the backward's own tunables
+    small = min(cfg.BK, max(16, triton.next_power_of_2(V))) < 64
+
+    def warps(n):
+        return 1 if interp else (min(2, n) if small else n)
+
+    def stages(n):
+        return 1 if interp else n
+
+    def mode(name):
+        return 0 if full else PROD_MODES[getattr(opts, name)]
+
+    common = dict(H=H, HV=HV, K=K, V=V, BK=cfg.BK, L2=L2, PREC=cfg.PREC, DT=cfg.DT)
+    rq, rk = _rstd(q, k, L2, cfg)
+    gc, w, u, tinv = prepare(k, rk, v, g, beta, plan, cfg, L2, True)
+    rq, rk = (rq, rk) if L2 else (gc, gc)
+    hs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
+    vn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+    # the forward's sequential pass again, with the forward's tiles and products: the backward differentiates
+    # exactly what the forward computed
+    state_pass(k, rk, w, u, gc, h0, hs, vn, None, plan, cfg, ForwardConfig(cfg, full, K, V), L2)
+    del u
+    dvl = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+    if plan.NC:
+        _dv_local[(plan.NC, HV)](q, k, rq, rk, gc, do, dvl, plan.chunks, scale, BV=cfg.bv["dvl"], X2=cfg.X2,
+                                 **common, num_warps=cfg.nw["dvl"], num_stages=stages(opts.stages_dvl))
+    cfg.mark("dv_local")
+    dhs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
+    dvn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+    dh0 = torch.empty(plan.N, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
+    bv_sbwd = min(max(16, triton.next_power_of_2(V)), 16 if interp else opts.bv_sbwd)
+    # fp32 states in the reverse pass need the shared memory that load pipelining would take
+    stages_sbwd = 1 if (interp or cfg.store == torch.float32) else opts.stages_sbwd
+    _state_bwd[(triton.cdiv(V, bv_sbwd) * plan.N * HV,)](
+        q, k, rq, rk, w, gc, do, dvl, dht if dht is not None else gc, dhs, dvn, dh0 if need_dh0 else gc, plan.cu,
+        plan.coff, scale, BV=bv_sbwd, HAS_DHT=dht is not None, STORE_DH0=need_dh0, X2=cfg.X2, **common,
+        num_warps=warps(opts.warps_sbwd), num_stages=stages_sbwd)
+    cfg.mark("state_bwd")
+    del w, dvl
+    dv = torch.empty_like(v)
+    dg = torch.empty(g.shape, device=dev, dtype=g.dtype)
+    db = torch.empty(beta.shape, device=dev, dtype=beta.dtype)
+    if not plan.NC:
+        dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+        for t in (dv, dg, db):
+            t.zero_()
+        return dq, dk, dv, dg, db, dh0
+    # Per-value-head partials of dkhat (and of dqhat when G > 1), [TT, HV, K]: _bwd_wy writes the WY part of
+    # dkhat, _bwd_out adds its terms (or, with G = 1, finishes dq and dk itself), _bwd_reduce sums the groups.
+    part_dtype = torch.float32 if (full or opts.bwd_partials == "fp32") else q.dtype
+    dgc = torch.empty(TT, HV, device=dev, dtype=torch.float32)
+    dkp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
+    _bwd_wy[(plan.NC * HV,)](k, rk, v, beta, gc, tinv, hs, dvn, dv, db, dgc, dkp, plan.chunks, BV=cfg.bv["wy"],
+                             MODE=mode("prod_wy"), **common, num_warps=cfg.nw["wy"],
+                             num_stages=stages(opts.stages_wy))
+    cfg.mark("bwd_wy")
+    del dvn, tinv
+    if G == 1:
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        dqp = dkp
+    else:
+        dq = dk = gc  # written by _bwd_reduce
+        dqp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
+    _bwd_out[(plan.NC * HV,)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkp, dqp, dq, dk, dg, plan.chunks, scale,
+                              BV=cfg.bv["bo"], MODE=mode("prod_bo"), TWO_PASS=opts.bo_two_pass, **common,
+                              num_warps=cfg.nw["bo"], num_stages=stages(opts.stages_bo))
+    cfg.mark("bwd_out")
+    if G > 1:
+        del hs, dhs, vn
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        bt = 32 if interp else opts.bt_red
+        _bwd_reduce[(triton.cdiv(TT, bt), H)](q, k, rq, rk, dqp, dkp, dq, dk, TT, H=H, HV=HV, K=K, BK=cfg.BK,
+                                              BT=bt, L2=L2, num_warps=warps(opts.warps_red))
+        cfg.mark("bwd_reduce")
+    return dq, dk, dv, dg, db, dh0

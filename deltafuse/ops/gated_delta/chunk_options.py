@@ -1,0 +1,170 @@
+"""Tunables of the chunked gated delta rule kernels (``ChunkOptions``) and the default a ``configured`` block sets.
+
+A call of the chunked op takes its options and stage hook as arguments (``kernel.chunk_gated_delta_rule_triton``);
+one that passes none reads, once at its start, what the innermost ``configured`` block set (else
+``DEFAULT_OPTIONS`` and no hook), and its backward runs with what its forward read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, fields
+from typing import Callable
+
+# product modes (kernel_fwd._dot_m): "tf32" one fp32 product, "16" the fp32 operand rounded to 16 bits, "x2" split
+PROD_MODES = {"tf32": 0, "16": 1, "x2": 2}
+# in-chunk inverse of the diagonal 16x16 blocks (kernel_fwd._unit_lower_inverse's INV)
+INV_MODES = {"subst": 0, "double": 1, "recursive": 2}
+
+StageHook = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ChunkOptions:
+    """Tunables of the chunked kernels on a GPU (the interpreter uses its own small fixed tiles).
+
+    ``*_store``: dtype of the stored per-token / per-chunk intermediates (w, u, v', chunk states and their
+    gradients): "input" (the inputs' 16-bit dtype) or "fp32". ``*_x2``: products of an fp32 operand with a
+    16-bit one split the fp32 operand into two 16-bit parts (about 16 mantissa bits) instead of rounding it
+    to 16 bits or using tf32 (``fwd_x2``: in the forward's intra kernel; its later kernels take
+    ``fwd_prod_*`` below). fp32 inputs always use fp32 storage and three-pass tf32 products.
+    ``bv_<kernel>`` / ``warps_<kernel>``: value-tile width and warps per kernel; ``stages``: pipeline stages.
+
+    Forward kernels (the forward's sequential pass ``hfwd``, which the backward recomputes with the same settings,
+    and its output kernel ``out``): ``fwd_prod_<p>``: how a product of
+    a 16-bit operand with an fp32 one is computed: "x2" (the fp32 operand split into two 16-bit parts), "16"
+    (rounded to 16 bits, one product) or "tf32" (one tf32 product); p is ``wh`` (w times the state, for v'),
+    ``kv`` (k^T times the decayed v', the state update), ``qh`` (q times the stored state, when states are
+    stored in fp32: 16-bit states make it exact) and ``sv`` (the in-chunk scores times v'). With fp32 inputs
+    (or an fp32-stored operand) every product is an fp32 one. ``bk_out``: K block of the output kernel;
+    ``stages_<kernel>``: its pipeline stages. In the interpreter warps and stages are 1 and tile widths are
+    capped at the head size.
+    """
+
+    fwd_store: str = "input"
+    bwd_store: str = "input"
+    fwd_x2: bool = True
+    bwd_x2: bool = True
+    bv_intra: int = 128
+    warps_intra: int = 4
+    bv_dvl: int = 128
+    warps_dvl: int = 4
+    bv_wy: int = 32
+    warps_wy: int = 4
+    bv_bo: int = 32
+    warps_bo: int = 8
+    stages: int = 2
+    # forward kernels
+    # w times the state in 16 bits (one product), the state update split: on the H200 the 16-bit state update
+    # put the hardest oracle case (decay near zero) over the bf16 bound (o 3.03e-3 > 3e-3), the 16-bit w-state
+    # product did not (2.84e-3) and is 2 % (16 K-64 K tokens) to 10 % (4 K) faster (BENCHMARKS.md, session 7)
+    fwd_prod_wh: str = "16"
+    fwd_prod_kv: str = "x2"
+    fwd_prod_qh: str = "x2"
+    fwd_prod_sv: str = "x2"
+    bv_hfwd: int = 32
+    warps_hfwd: int = 4
+    stages_hfwd: int = 2
+    bv_out: int = 64
+    bk_out: int = 128
+    warps_out: int = 4
+    stages_out: int = 2
+    # backward kernels
+    # bwd_partials: dtype of the per-value-head dq / dk partials that _bwd_out writes and _bwd_reduce sums when
+    # several value heads share a q/k head: "fp32" or "input" (the inputs' 16-bit dtype: half the bytes).
+    # prod_wy / prod_bo: products of a computed fp32 tile with a 16-bit one in _bwd_wy / _bwd_out (16-bit
+    # inputs only): "x2" (two 16-bit parts), "16" (one 16-bit product), "tf32" (one fp32 product); the
+    # other backward kernels follow bwd_x2. _state_bwd has its own tiles (bv_sbwd, warps_sbwd, stages_sbwd);
+    # _bwd_reduce takes bt_red tokens per program. bo_two_pass: _bwd_out makes two passes over the value blocks
+    # (dq, then dk): one [64, K] fp32 accumulator live instead of two, for one more read of v' and h.
+    bwd_partials: str = "input"
+    prod_wy: str = "16"
+    prod_bo: str = "16"
+    bo_two_pass: bool = False
+    bv_sbwd: int = 32
+    warps_sbwd: int = 4
+    stages_sbwd: int = 2
+    stages_dvl: int = 2
+    stages_wy: int = 2
+    stages_bo: int = 3
+    bt_red: int = 32
+    warps_red: int = 4
+    # in-chunk kernel (_intra_fwd, run by the forward and again by the backward)
+    # intra_inv: how the four diagonal 16x16 blocks of T = (I + A)^-1 are inverted: "subst" (forward
+    # substitution, 16 dependent steps of masked reductions), "double" (repeated squaring, (I - A)(I + A^2)
+    # (I + A^4)(I + A^8): six batched fp32 [4, 16, 16] products; loses digits when A's entries approach 1), or
+    # "recursive" (the inverted block size doubled 1 -> 2 -> 4 -> 8 -> 16: six batched fp32 products, as
+    # accurate as the substitution). intra_prod: products of T with the 16-bit k and v for w and u: "x2" (as
+    # fwd_x2 / bwd_x2 say: split T into two 16-bit parts, or one tf32 product) or "16" (T rounded to 16 bits,
+    # one product; 16-bit inputs only, fp32 inputs always take fp32 products).
+    intra_inv: str = "recursive"
+    intra_prod: str = "x2"
+
+    def __post_init__(self):
+        for name in ("fwd_store", "bwd_store"):
+            if getattr(self, name) not in ("input", "fp32"):
+                raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: 'input', 'fp32'")
+        if self.intra_inv not in INV_MODES:
+            raise ValueError(f"ChunkOptions.intra_inv={self.intra_inv!r}; allowed: "
+                             + ", ".join(repr(m) for m in INV_MODES))
+        if self.intra_prod not in ("x2", "16"):
+            raise ValueError(f"ChunkOptions.intra_prod={self.intra_prod!r}; allowed: 'x2', '16'")
+        if self.bwd_partials not in ("input", "fp32"):
+            raise ValueError(f"ChunkOptions.bwd_partials={self.bwd_partials!r}; allowed: 'input', 'fp32'")
+        if self.fwd_prod_qh == "16":
+            # q times an fp32 state rounded to 16 bits in registers gave NaN outputs on an H200 with Triton 3.6
+            raise ValueError("ChunkOptions.fwd_prod_qh='16' is refused (NaN outputs on the H200 with Triton 3.6, "
+                             "BENCHMARKS.md); allowed: 'x2', 'tf32'")
+        for name in ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo"):
+            if getattr(self, name) not in PROD_MODES:
+                raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: "
+                                 + ", ".join(repr(m) for m in PROD_MODES))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type != "int":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ChunkOptions.{f.name}={value!r}; allowed: an int >= 1")
+            if not f.name.startswith("stages") and value & (value - 1):
+                raise ValueError(f"ChunkOptions.{f.name}={value!r}; allowed: a power of two (a tile width or a "
+                                 "warp count)")
+
+
+DEFAULT_OPTIONS = ChunkOptions()
+# (options, stage hook) of calls that pass none: the defaults and no hook, except inside a ``configured`` block
+_DEFAULTS: contextvars.ContextVar[tuple[ChunkOptions, StageHook | None]] = contextvars.ContextVar(
+    "deltafuse_chunk_options", default=(DEFAULT_OPTIONS, None))
+
+
+def options_in_effect() -> ChunkOptions:
+    """The options a call that passes none runs with now (the defaults outside a ``configured`` block)."""
+    return _DEFAULTS.get()[0]
+
+
+def _check(options) -> None:
+    if options is not None and not isinstance(options, ChunkOptions):
+        raise TypeError(f"options must be a ChunkOptions or None, got {type(options).__name__}")
+
+
+@contextlib.contextmanager
+def configured(options: ChunkOptions | None = None, stage_hook: StageHook | None = None):
+    """Calls of the chunked op inside the block that pass no ``options`` run with these, and call
+    ``stage_hook(stage_name)`` after each kernel launch of their forward and backward (a benchmark's per-stage
+    timing); what was in effect before is restored on exit. A call reads them once, at its start: its backward
+    uses its forward's, wherever it runs. Normal use never needs it: the defaults are the tuned values
+    (BENCHMARKS.md)."""
+    _check(options)
+    token = _DEFAULTS.set((DEFAULT_OPTIONS if options is None else options, stage_hook))
+    try:
+        yield
+    finally:
+        _DEFAULTS.reset(token)
+
+
+def resolve(options: ChunkOptions | None, stage_hook: StageHook | None) -> tuple[ChunkOptions, StageHook | None]:
+    """The options and stage hook of one call: those given, else those in effect (``configured``)."""
+    _check(options)
+    default_options, default_hook = _DEFAULTS.get()
+    return (default_options if options is None else options,
+            default_hook if stage_hook is None else stage_hook)

@@ -21,21 +21,78 @@ its automatic choice.
 from __future__ import annotations
 
 import contextlib
-import threading
+from dataclasses import dataclass
 
 import torch
 
 from deltafuse import backends
 from deltafuse.config import load_settings, resolve
-from deltafuse.integrations.transformers.patcher import PatchReport
+from deltafuse.integrations.transformers.patcher import Ledger, PatchReport, ReportRow
 from deltafuse.maps import PATCHER, SWITCH_OPS
 from deltafuse.integrations.transformers import context_parallel as _context_parallel
 
 __all__ = ["apply", "revert", "patched", "PatchReport", "UnsupportedModelError", "find_model"]
 
 _WRAPPER_ATTRIBUTES = ("get_base_model", "module", "base_model", "model")
-_lock = threading.RLock()
-_saved_override: list = []  # backend override in effect before the first apply (restored by revert)
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """Where ``Applied`` stood when a ``patched`` block began (what its exit restores)."""
+
+    records: int
+    context_parallel: int
+    override: str | None
+    active: bool
+
+
+@dataclass
+class Applied:
+    """What ``apply`` changed in this process, which ``revert`` restores: the one object both work on.
+
+    ``records``: the patcher's ledger of every module global, class attribute, instance attribute and mapping
+    key replaced, in order (its lock serialises apply, revert and ``patched`` blocks across threads);
+    ``active``: an apply is in effect (since the last revert); ``override_before``: the backend override
+    (``apply(backend=...)``) in effect before the first apply of that, which ``revert`` puts back. The modules
+    marked for context parallelism are kept (and unmarked) by ``context_parallel`` itself.
+    """
+
+    records: Ledger
+    active: bool = False
+    override_before: str | None = None
+
+    @property
+    def lock(self):
+        return self.records.lock
+
+    def begin(self, backend: str | None) -> None:
+        """Force ``backend`` (None: the environment decides), remembering the override found by the first apply."""
+        if not self.active:
+            self.override_before = backends.backend_override()
+            self.active = True
+        backends.set_backend_override(backend)
+
+    def mark(self) -> _Mark:
+        return _Mark(self.records.mark(), _context_parallel.mark(), backends.backend_override(), self.active)
+
+    def restore(self, since: _Mark | None = None) -> list[ReportRow]:
+        """Undo everything (``since`` None) or what came after ``since``; the rows of the objects put back."""
+        if since is None:
+            rows = self.records.restore()
+            _context_parallel.clear()
+            if self.active:
+                backends.set_backend_override(self.override_before)
+                self.active, self.override_before = False, None
+            return rows
+        rows = self.records.restore(since.records)
+        _context_parallel.clear(since=since.context_parallel)
+        backends.set_backend_override(since.override)
+        if not since.active and self.active and not self.records.has_records():
+            self.active, self.override_before = False, None  # the block's apply was the only one
+        return rows
+
+
+_STATE = Applied(PATCHER.ledger)
 
 
 class UnsupportedModelError(TypeError, ValueError):
@@ -163,10 +220,8 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
     if not settings.patch:
         report.notes.append("DELTAFUSE_PATCH is off: no module, class or instance attribute was changed")
         return report
-    with _lock:
-        if not _saved_override:
-            _saved_override.append(backends.backend_override())
-        backends.set_backend_override(None if backend == "auto" else backend)
+    with _STATE.lock:
+        _STATE.begin(None if backend == "auto" else backend)
         switches = {"gdn": settings.gdn, "fused_ops": settings.fused_ops, "moe": settings.moe}
         families, rows, notes = PATCHER.apply(switches, target)
         if context_parallel is not None:
@@ -234,11 +289,8 @@ def _serving(target, switches: dict) -> tuple[str | None, dict]:
 
 def revert() -> PatchReport:
     """Restore every object ``apply`` replaced (module globals, class attributes, instance attributes)."""
-    with _lock:
-        rows = PATCHER.revert()
-        _context_parallel.clear()
-        if _saved_override:
-            backends.set_backend_override(_saved_override.pop())
+    with _STATE.lock:
+        rows = _STATE.restore()
     return _revert_report(rows)
 
 
@@ -255,18 +307,11 @@ def _revert_report(rows) -> PatchReport:
 def patched(model=None, **kwargs):
     """``with patched(model) as report:`` applies deltafuse and, on exit, reverts what this block applied
     (rows already applied before the block stay) and restores the backend override."""
-    with _lock:
-        mark = PATCHER.mark()
-        cp_mark = _context_parallel.mark()
-        override = backends.backend_override()
-        first = not _saved_override
+    with _STATE.lock:
+        mark = _STATE.mark()
     report = apply(model, **kwargs)
     try:
         yield report
     finally:
-        with _lock:
-            PATCHER.revert(since=mark)
-            _context_parallel.clear(since=cp_mark)
-            backends.set_backend_override(override)
-            if first and _saved_override and not PATCHER.has_records():
-                _saved_override.clear()
+        with _STATE.lock:
+            _STATE.restore(since=mark)

@@ -24,25 +24,26 @@ __all__ = ["REGISTRY", "BackendError", "CallInfo", "Candidate", "Decision", "Reg
            "backend_override", "call_backend", "call_info", "current_backend", "select", "select_tensors",
            "set_backend_override"]
 
-_override: list[str | None] = [None]
+_forced: str | None = None  # the backend apply(backend=...) forces; read by every op call (a global lookup)
 _call_backends: dict = {}  # (op, backend argument, registry version) -> the checked name
 
 
 def set_backend_override(name: str | None) -> None:
     """Force a backend for every op that has it (``apply(backend=...)``); None returns to the environment.
     An op without a backend of that name keeps its automatic choice."""
-    _override[0] = None if name is None else config.parse_backend("backend", name)
+    global _forced
+    _forced = None if name is None else config.parse_backend("backend", name)
 
 
 def backend_override() -> str | None:
     """The backend forced by apply(backend=...), or None when the environment decides."""
-    return _override[0]
+    return _forced
 
 
 def current_backend() -> str:
     """The forced backend in effect: apply()'s argument, else DELTAFUSE_BACKEND, else 'auto'."""
-    if _override[0] is not None:
-        return _override[0]
+    if _forced is not None:
+        return _forced
     return config.env_backend()
 
 
@@ -83,7 +84,7 @@ def select_tensors(op: str, backend: str | None, needs_grad: bool, tensors: tupl
     read them; the first one present gives device and dtype), ``needs_grad`` as the op's grad mask says. The
     ops' per-call path: with the decision cached it builds no CallInfo."""
     if backend is None:
-        name = _override[0]
+        name = _forced
         if name is None:
             name = config.env_backend()
     else:

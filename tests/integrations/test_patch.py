@@ -266,6 +266,83 @@ def test_patched_context_manager_reverts_only_its_block():
     assert_same_objects(outer, snapshot(model))  # the rows applied before the block stay
 
 
+@pytest.fixture
+def forced_before():
+    """A backend override set before any apply ('fla'), put back to none afterwards."""
+    backends.set_backend_override("fla")
+    yield "fla"
+    backends.set_backend_override(None)
+
+
+def test_apply_with_two_backends_then_revert_restores_the_original_override(forced_before):
+    before = snapshot()
+    patching.apply(backend="torch")
+    assert backends.current_backend() == "torch"
+    patching.apply(backend="triton")
+    assert backends.current_backend() == "triton"
+    assert patching.revert().applied
+    assert backends.backend_override() == forced_before
+    assert_same_objects(before, snapshot())
+    again = patching.revert()  # a second revert changes nothing
+    assert not again.rows and str(again) == "deltafuse: revert: nothing was patched"
+    assert backends.backend_override() == forced_before and not PATCHER.has_records()
+
+
+def test_revert_without_apply_keeps_an_override_it_did_not_set(forced_before):
+    assert not patching.revert().rows
+    assert backends.backend_override() == forced_before
+
+
+def test_patched_block_inside_apply_restores_the_applied_override():
+    patching.apply(backend="torch")
+    with patching.patched(backend="triton"):
+        assert backends.current_backend() == "triton"
+    assert backends.current_backend() == "torch" and PATCHER.has_records()
+    patching.revert()
+    assert backends.backend_override() is None and not PATCHER.has_records()
+
+
+def test_apply_inside_a_patched_block_is_undone_by_the_block(forced_before):
+    before = snapshot()
+    with patching.patched(backend="torch"):
+        patching.apply(backend="triton")
+        assert backends.current_backend() == "triton"
+    assert backends.backend_override() == forced_before and not PATCHER.has_records()
+    assert_same_objects(before, snapshot())
+    backends.set_backend_override("npu")  # set after the block: no later revert takes it back
+    assert not patching.revert().rows
+    assert backends.backend_override() == "npu"
+
+
+def test_apply_and_revert_from_threads_leave_one_consistent_state():
+    import threading
+
+    before = snapshot()
+    names = ("torch", "triton", "auto")
+    errors = []
+
+    def work(i):
+        try:
+            for j in range(4):
+                patching.apply(backend=names[(i + j) % len(names)])
+                if (i + j) % 2:
+                    patching.revert()
+                with patching.patched(backend=names[j % len(names)]):
+                    pass
+        except Exception as exc:  # reported below, with the thread's index
+            errors.append((i, exc))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    patching.revert()
+    assert backends.backend_override() is None and not PATCHER.has_records()
+    assert_same_objects(before, snapshot())
+
+
 def test_model_built_after_apply_and_revert():
     """apply() without a model: models built afterwards use deltafuse; revert restores what stock __init__
     would have cached (old design), so the model then runs stock again."""

@@ -168,7 +168,7 @@ class ChunkOptions:
     # forward kernels
     # w times the state in 16 bits (one product), the state update split: on the H200 the 16-bit state update
     # put the hardest oracle case (decay near zero) over the bf16 bound (o 3.03e-3 > 3e-3), the 16-bit w-state
-    # product did not (2.84e-3) and is 2 % (16 K-64 K tokens) to 10 % (4 K) faster (BENCHMARKS.md, session 7)
+    # product did not (2.84e-3) and is 2 % (16 K-64 K tokens) to 10 % (4 K) faster (BENCHMARKS.md#gdn-16bit-w-state)
     fwd_prod_wh: str = "16"
     fwd_prod_kv: str = "x2"
     fwd_prod_qh: str = "x2"
@@ -225,7 +225,7 @@ class ChunkOptions:
         if self.fwd_prod_qh == "16":
             # q times an fp32 state rounded to 16 bits in registers gave NaN outputs on an H200 with Triton 3.6
             raise ValueError("ChunkOptions.fwd_prod_qh='16' is refused (NaN outputs on the H200 with Triton 3.6, "
-                             "BENCHMARKS.md); allowed: 'x2', 'tf32'")
+                             "BENCHMARKS.md#gdn-v2-combined); allowed: 'x2', 'tf32'")
         for name in ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo"):
             if getattr(self, name) not in _PROD_MODES:
                 raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: "
@@ -255,7 +255,7 @@ def options_in_effect() -> ChunkOptions:
 def configured(options: ChunkOptions | None = None, stage_hook: Callable[[str], None] | None = None):
     """Run the chunked kernels with ``options`` inside the block, calling ``stage_hook(stage_name)`` after each
     kernel launch (a benchmark's per-stage timing); what was in effect before is restored on exit. Normal use
-    never needs it: the defaults are the tuned values (BENCHMARKS.md)."""
+    never needs it: the defaults are the tuned values (BENCHMARKS.md#gdn-v2-combined, #gdn-16bit-w-state)."""
     if options is not None and not isinstance(options, ChunkOptions):
         raise TypeError(f"options must be a ChunkOptions or None, got {type(options).__name__}")
     saved = list(_in_effect)
@@ -284,7 +284,7 @@ class _Cfg:
             _PROD_MODES["x2"] if self.X2 else _PROD_MODES["tf32"])
         if not (full or interp) and getattr(opts, which + "_store") == "fp32":
             # the sequential pass with fp32-stored states and 16-bit inputs gave NaN outputs and then an illegal
-            # memory access on the H200 with Triton 3.6 (BENCHMARKS.md, session 6); the interpreter tests keep it
+            # memory access on the H200 with Triton 3.6 (BENCHMARKS.md#gdn-v2-combined); the interpreter tests keep it
             raise ValueError(f"ChunkOptions.{which}_store='fp32' with {str(dtype).replace('torch.', '')} inputs is "
                              "refused on a GPU (NaN outputs and an illegal memory access on the H200 with Triton "
                              "3.6); allowed: 'input' (fp32 inputs always store fp32)")
@@ -293,7 +293,7 @@ class _Cfg:
         names = ("intra", "dvl", "wy", "bo")
         self.bv = {n: min(vmax, 16 if interp else getattr(opts, "bv_" + n)) for n in names}
         # Head sizes under 64 (tiles of 16 or 32 columns) gave wrong outputs with 8 warps and illegal memory
-        # accesses with 4 on the H200 (Triton 3.6); 2 warps are correct there (BENCHMARKS.md, small heads).
+        # accesses with 4 on the H200 (Triton 3.6); 2 warps are correct there (BENCHMARKS.md#gdn-small-heads).
         small = min(self.BK, vmax) < 64
         warps = {n: getattr(opts, "warps_" + n) for n in names}
         self.nw = {n: 1 if interp else (min(2, warps[n]) if small else warps[n]) for n in names}

@@ -2,7 +2,7 @@
 
 The families, their classes and their CPU-sized test models (``tiny``, ``tiny-moe``, ``tiny-next``) come from
 the family maps (``deltafuse.integrations.transformers``); ``dense8`` and ``moe8`` are the Qwen3.5-9B /
-Qwen3.5-35B-A3B text configs cut to 8 layers (the end-to-end benchmark shapes of BENCHMARKS.md); ``dense``
+Qwen3.5-35B-A3B text configs cut to 8 layers (the end-to-end benchmark shapes of BENCHMARKS.md#lora-4096); ``dense``
 and ``moe`` are the same configs at full depth, for memory planning.
 """
 

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """Run the chosen benchmark; bad input prints one line naming the argument and returns 2."""
-    from deltafuse.bench.e2e import BenchRunError
+    from deltafuse.bench.e2e_runs import BenchRunError
     from deltafuse.config import SettingsError
     from deltafuse.train.errors import TrainInputError
 

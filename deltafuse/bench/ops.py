@@ -33,7 +33,6 @@ import torch
 
 from deltafuse.argtypes import int_at_least
 from deltafuse.backends import REGISTRY, probes
-from deltafuse.bench import cases
 from deltafuse.bench.cases import CPU_SIZES, QWEN35_35B_A3B, Sizes, rope_cos_sin
 from deltafuse.bench.impls import (CHUNK_GDN, implementations, lifted_fla_hopper_guard, selected_backend,
                                    sized_implementations)

@@ -76,7 +76,7 @@ def trl_is_faster(weight, bias) -> str | None:
     (LoRA) ours is faster: 15.2 vs 20.0 ms and 56.4 vs 79.8 ms, with 89 vs 295 MiB and 355 vs 493 MiB.
     """
     if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
-        return "a trainable head: TRL's function is faster there (BENCHMARKS.md)"
+        return "a trainable head: TRL's function is faster there (BENCHMARKS.md#trl-fused-head)"
     return None
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from deltafuse.bench import e2e
+from deltafuse.bench import e2e, e2e_report, e2e_runs
 from deltafuse.bench.cli import main
 
 
@@ -65,7 +65,7 @@ def test_bench_e2e_writes_table_json_and_png(tmp_path, capsys, monkeypatch):
             fh.write('{"step": 1}\n')
         return 1
 
-    monkeypatch.setattr(e2e.subprocess, "call", failing_child)
+    monkeypatch.setattr(e2e_runs.subprocess, "call", failing_child)
     for extra in ([], ["--overwrite"]):
         assert main(["e2e", "--model", "tiny", "--max-steps", "4", "--interval", "2", "--seq-len", "256",
                      "--num-examples", "30", "--output-dir", out, "--no-progress", "--repeats", "1", *extra]) == 1
@@ -78,7 +78,7 @@ def test_bench_e2e_writes_table_json_and_png(tmp_path, capsys, monkeypatch):
         failing_child(cmd)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(e2e.subprocess, "call", interrupted_child)
+    monkeypatch.setattr(e2e_runs.subprocess, "call", interrupted_child)
     assert cli.main(["bench", "e2e", "--model", "tiny", "--max-steps", "4", "--interval", "2", "--seq-len", "256",
                      "--num-examples", "30", "--output-dir", out, "--no-progress", "--repeats", "1"]) == 130
     assert capsys.readouterr().err == (f"deltafuse bench e2e: interrupted; the previous bench e2e result in {out!r} "
@@ -87,12 +87,12 @@ def test_bench_e2e_writes_table_json_and_png(tmp_path, capsys, monkeypatch):
 
 
 def test_forwarded_flags_reproduce_the_arguments():
-    parser = e2e.train_parser()
+    parser = e2e_runs.train_parser()
     args = parser.parse_args(["--model", "tiny-moe", "--full", "--no-packing", "--lora-targets", "q_proj,o_proj",
                               "--seq-len", "300", "--gradient-checkpointing", "--lr", "0.01"])
-    again = parser.parse_args(e2e.forward_train_args(args))
+    again = parser.parse_args(e2e_runs.forward_train_args(args))
     for key, value in vars(args).items():
-        if key not in e2e.NOT_FORWARDED:
+        if key not in e2e_runs.NOT_FORWARDED:
             assert getattr(again, key) == value, key
 
 
@@ -100,7 +100,7 @@ def test_interval_arithmetic():
     recs = [{"step": i, "wall_s": 1.0 * i + (5.0 if i > 0 else 0), "tokens": 100, "step_time_s": 0.5,
              "loss": 10.0 - i, "grad_norm": 1.0, "peak_mem_bytes": 1000 + i} for i in range(1, 7)]
     # wall clock: step 1 ends at 6 s (5 s of warm-up), then 1 s per step
-    s = e2e.summarize(recs, size=2, warmup=1)
+    s = e2e_report.summarize(recs, size=2, warmup=1)
     assert [iv["duration_s"] for iv in s["intervals"]] == [7.0, 2.0, 2.0]
     assert s["avg_interval_s"] == 2.0 and s["tokens_per_s"] == 100.0 and s["measured_intervals"] == 2
     assert s["avg_loss"] == pytest.approx(sum(10.0 - i for i in range(1, 7)) / 6)
@@ -166,11 +166,11 @@ def test_tiny_cpu_runs_get_one_thread_unless_the_user_chose():
     parser = argparse.ArgumentParser()
     e2e.add_arguments(parser)
     args = parser.parse_args(["--model", "tiny"])
-    assert e2e.child_threads(args, "cpu", {}) == "1"
-    assert e2e.child_threads(args, "cpu", {"OMP_NUM_THREADS": "2"}) is None  # the user's choice stands
-    assert e2e.child_threads(args, "cuda:0", {}) is None
-    assert e2e.child_threads(parser.parse_args(["--model", "dense8"]), "cpu", {}) is None
-    _, env = e2e.child_command(args, "on", "x", "1")
+    assert e2e_runs.child_threads(args, "cpu", {}) == "1"
+    assert e2e_runs.child_threads(args, "cpu", {"OMP_NUM_THREADS": "2"}) is None  # the user's choice stands
+    assert e2e_runs.child_threads(args, "cuda:0", {}) is None
+    assert e2e_runs.child_threads(parser.parse_args(["--model", "dense8"]), "cpu", {}) is None
+    _, env = e2e_runs.child_command(args, "on", "x", "1")
     assert env["OMP_NUM_THREADS"] == "1"
 
 
@@ -246,17 +246,17 @@ def test_cpu_run_interleaves_repeats_and_reports_noise_not_a_speedup(tmp_path, c
 
 
 def test_cuda_verdict_comes_from_the_interleaved_pairs():
-    faster = e2e.speed_verdict([2.0, 2.2, 1.9], [1.0, 1.0, 1.0], "cuda:0")
+    faster = e2e_report.speed_verdict([2.0, 2.2, 1.9], [1.0, 1.0, 1.0], "cuda:0")
     assert faster["speedup"] == pytest.approx(2.0) and faster["pair_speedups"] == pytest.approx([2.0, 2.2, 1.9])
     assert faster["verdict"] == "faster" and "faster in 3 of 3 interleaved repeats" in faster["text"]
     assert "median speedup 2.00x (1.90x-2.20x)" in faster["text"]
-    mixed = e2e.speed_verdict([1.1, 0.9, 1.05], [1.0, 1.0, 1.0], "cuda:0")
+    mixed = e2e_report.speed_verdict([1.1, 0.9, 1.05], [1.0, 1.0, 1.0], "cuda:0")
     assert mixed["verdict"] == "no clear verdict" and "faster in 2 of 3" in mixed["text"]
-    slower = e2e.speed_verdict([0.5, 0.6], [1.0, 1.0], "cuda:0")
+    slower = e2e_report.speed_verdict([0.5, 0.6], [1.0, 1.0], "cuda:0")
     assert slower["verdict"] == "slower" and "slower in 2 of 2" in slower["text"]
-    one = e2e.speed_verdict([2.0], [1.0], "cuda:0")
+    one = e2e_report.speed_verdict([2.0], [1.0], "cuda:0")
     assert "one OFF/ON pair" in one["text"] and "--repeats" in one["text"]
-    cpu = e2e.speed_verdict([2.0, 2.2, 1.9], [1.0, 1.0, 1.0], "cpu")
+    cpu = e2e_report.speed_verdict([2.0, 2.2, 1.9], [1.0, 1.0, 1.0], "cpu")
     assert cpu["speedup"] is None and cpu["verdict"] == "cpu: noise" and "pair_speedups" not in cpu
     assert "BENCHMARKS.md" in cpu["text"]
 
@@ -265,14 +265,14 @@ def test_cuda_table_has_the_speedup_row_with_its_range():
     reps = lambda ts: [{"avg_interval_s": t, "median_step_s": t / 10, "tokens_per_s": 1000 / t,  # noqa: E731
                         "peak_mem_bytes": 2 ** 30, "avg_loss": 5.0, "final_loss": 4.0, "avg_grad_norm": 1.0,
                         "steps": 20, "measured_intervals": 1} for t in ts]
-    off, on = e2e.aggregate(reps([2.0, 2.2, 1.9])), e2e.aggregate(reps([1.0, 1.0, 1.0]))
-    speed = e2e.speed_verdict([2.0, 2.2, 1.9], [1.0, 1.0, 1.0], "cuda:0")
-    rows = e2e.table_rows(off, on, 10, "cuda max allocated", speed)
+    off, on = e2e_report.aggregate(reps([2.0, 2.2, 1.9])), e2e_report.aggregate(reps([1.0, 1.0, 1.0]))
+    speed = e2e_report.speed_verdict([2.0, 2.2, 1.9], [1.0, 1.0, 1.0], "cuda:0")
+    rows = e2e_report.table_rows(off, on, 10, "cuda max allocated", speed)
     assert rows[0][1] == "2.000 [1.900-2.200]" and rows[0][2] == "1.000 [1.000-1.000]"
     assert rows[-1] == ["speedup (OFF time / ON time), median of 3 pairs", "", "", "2.00x (1.90x-2.20x)"]
-    cpu_rows = e2e.table_rows(off, on, 10, "process peak RSS", e2e.speed_verdict([2.0], [1.0], "cpu"))
+    cpu_rows = e2e_report.table_rows(off, on, 10, "process peak RSS", e2e_report.speed_verdict([2.0], [1.0], "cpu"))
     assert not any("speedup" in r[0] for r in cpu_rows) and cpu_rows[0][3] == "(cpu: noise)"
     # deltafuse's speedup over a peer: on CUDA the median of the peer's / ON's time per repeat; none on a CPU
     stats = {"on": on, "fla": off}
-    assert e2e.peer_speedup(stats, "fla", speed) == pytest.approx(2.0)
-    assert e2e.peer_speedup(stats, "fla", e2e.speed_verdict([2.0], [1.0], "cpu")) is None
+    assert e2e_report.peer_speedup(stats, "fla", speed) == pytest.approx(2.0)
+    assert e2e_report.peer_speedup(stats, "fla", e2e_report.speed_verdict([2.0], [1.0], "cpu")) is None

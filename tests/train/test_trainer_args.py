@@ -168,14 +168,14 @@ def test_trainer_arguments_reach_the_trainer(tmp_path, capsys):
 
 
 def test_bench_e2e_forwards_trainer_arguments():
-    from deltafuse.bench import e2e
+    from deltafuse.bench import e2e_runs
 
-    args = e2e.train_parser().parse_args(["--max-steps", "3", "--gradient_accumulation_steps", "4",
-                                          "--report_to", "tensorboard", "wandb"])
-    fwd = e2e.forward_train_args(args)
+    args = e2e_runs.train_parser().parse_args(["--max-steps", "3", "--gradient_accumulation_steps", "4",
+                                               "--report_to", "tensorboard", "wandb"])
+    fwd = e2e_runs.forward_train_args(args)
     assert fwd[-5:] == ["--gradient_accumulation_steps", "4", "--report_to", "tensorboard", "wandb"] or (
         fwd[-5:] == ["--report_to", "tensorboard", "wandb", "--gradient_accumulation_steps", "4"])
-    again = e2e.train_parser().parse_args(fwd)
+    again = e2e_runs.train_parser().parse_args(fwd)
     assert vars(again) == vars(args)
 
 

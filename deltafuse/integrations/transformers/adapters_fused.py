@@ -489,7 +489,7 @@ def _routable_attention(module, is_causal, kwargs) -> bool:
 # Packed rows at least this long get sequence-by-sequence attention instead of transformers' dense
 # block-causal mask: all T x T pairs cost ~16x the per-sequence work at 4096 tokens of ~250-token examples
 # and grow with T (~260x at 65,536). H200, 16,384 tokens, fwd+bwd of one layer's attention: dense 71 ms,
-# varlen 2.8 ms (BENCHMARKS.md). Shorter rows keep transformers' path: not timed below 16,384.
+# varlen 2.8 ms (BENCHMARKS.md#packed-attention). Shorter rows keep transformers' path: not timed below 16,384.
 PACKED_ATTENTION_MIN_TOKENS = 8192
 
 

@@ -6,7 +6,7 @@ result is causal attention within each sequence, sum of L_i^2 pairs instead of T
 
 * ``causal_attention_varlen``: torch's ``varlen_attn`` (one flash-attention kernel over all sequences, CUDA,
   16-bit). H200, 16,384 tokens of ~270-token sequences, Qwen3.5-35B-A3B's heads, fwd+bwd: 2.8 ms, against
-  71 ms for the dense mask and ~30 ms for the loop below (BENCHMARKS.md).
+  71 ms for the dense mask and ~30 ms for the loop below (BENCHMARKS.md#packed-attention).
 * ``causal_attention_by_sequence``: one ``scaled_dot_product_attention(is_causal=True)`` per sequence (any
   device). cuDNN's attention is left out of the backends it may use: it builds an execution plan for every
   new sequence length, and packed batches bring new lengths at every step (the same H200 case took 3.7 s

@@ -47,7 +47,7 @@ from deltafuse.ops._amp import no_autocast_backward
 # Default chunk: about as many logits as the hidden states hold (chunk * V ~ N * H, rounded up to a power of two),
 # so a chunk's logits cost about what the hidden-state gradient costs. The floor keeps the matmuls efficient
 # (H200, H=2,048, V=248,320, 4,096 tokens, frozen head: 64-token chunks took 41 ms against stock's 23 ms,
-# 128 took 23 ms, 512 took 16 ms; BENCHMARKS.md);
+# 128 took 23 ms, 512 took 16 ms; BENCHMARKS.md#loss-chunks);
 # with a trainable head every chunk also reads and writes the whole [V, H] weight-gradient accumulator, so
 # chunks are kept large there (few passes over it, and few roundings when it is accumulated in bf16).
 MIN_CHUNK = 256
@@ -55,9 +55,10 @@ MIN_CHUNK_TRAINABLE_HEAD = 1024
 # Vocabulary-blocked way: vocabulary columns per block and tokens per chunk by default. A chunk then holds a
 # [chunk, block] tile of logits (16 MiB in bf16) and a [chunk, H] fp32 accumulator (8 MiB at H = 2,048),
 # against Liger's 30 MiB of logits at 4,096 tokens (its chunk there is 64 tokens x 248,320). Chosen on the
-# H200 (BENCHMARKS.md, frozen head, 4,096 / 16,384 tokens): 1024 x 8192 took 16.4 / 58.5 ms at 40 / 88 MiB;
-# 1024 x 4096 19.2 / 69.4 ms (each tile costs ~0.1 ms of host time, so small tiles leave the GPU waiting);
-# 2048 x 4096 18.2 / 60.1 ms at 48 / 96 MiB; whole-vocabulary 256-token chunks 16.5 / 65.8 ms at 137 / 185 MiB.
+# H200 (BENCHMARKS.md#loss-vocab-blocks, frozen head, 4,096 / 16,384 tokens): 1024 x 8192 took 16.4 / 58.5 ms
+# at 40 / 88 MiB; 1024 x 4096 19.2 / 69.4 ms (each tile costs ~0.1 ms of host time, so small tiles leave the GPU
+# waiting); 2048 x 4096 18.2 / 60.1 ms at 48 / 96 MiB; whole-vocabulary 256-token chunks 16.5 / 65.8 ms at 137 /
+# 185 MiB.
 VOCAB_CHUNK = 8192
 BLOCKED_CHUNK = 1024
 # A [V, H] fp32 weight-gradient accumulator is used for low-precision heads up to this many elements.
@@ -414,8 +415,8 @@ def blocked_vocab_chunk(vocab: int, vocab_chunk_size: int | None, return_logits:
     steps) a frozen head and bias with a vocabulary larger than ``VOCAB_CHUNK`` get blocks of
     ``VOCAB_CHUNK`` columns: same matmuls as token chunks, far less memory. A trainable head or bias keeps
     token chunks by default, because blocks cost it one projection more (H200, 4,096 tokens: 33-35 ms
-    against 21.6 ms, for 1,010 instead of 1,471 MiB; BENCHMARKS.md); the torch steps keep them too, their
-    per-block elementwise work doubles the time (66 against 33 ms).
+    against 21.6 ms, for 1,010 instead of 1,471 MiB; BENCHMARKS.md#loss-vocab-blocks); the torch steps keep
+    them too, their per-block elementwise work doubles the time (66 against 33 ms).
     """
     if return_logits:
         return None

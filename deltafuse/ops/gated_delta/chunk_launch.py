@@ -90,7 +90,7 @@ class PassConfig:
             PROD_MODES["x2"] if self.X2 else PROD_MODES["tf32"])
         if not (full or interp) and getattr(opts, which + "_store") == "fp32":
             # the sequential pass with fp32-stored states and 16-bit inputs gave NaN outputs and then an illegal
-            # memory access on the H200 with Triton 3.6 (BENCHMARKS.md, session 6); the interpreter tests keep it
+            # memory access on the H200 with Triton 3.6 (BENCHMARKS.md#gdn-v2-combined); the interpreter tests keep it
             raise ValueError(f"ChunkOptions.{which}_store='fp32' with {str(dtype).replace('torch.', '')} inputs is "
                              "refused on a GPU (NaN outputs and an illegal memory access on the H200 with Triton "
                              "3.6); allowed: 'input' (fp32 inputs always store fp32)")
@@ -99,7 +99,7 @@ class PassConfig:
         names = ("intra", "dvl", "wy", "bo")
         self.bv = {n: min(vmax, 16 if interp else getattr(opts, "bv_" + n)) for n in names}
         # Head sizes under 64 (tiles of 16 or 32 columns) gave wrong outputs with 8 warps and illegal memory
-        # accesses with 4 on the H200 (Triton 3.6); 2 warps are correct there (BENCHMARKS.md, small heads).
+        # accesses with 4 on the H200 (Triton 3.6); 2 warps are correct there (BENCHMARKS.md#gdn-small-heads).
         small = min(self.BK, vmax) < 64
         warps = {n: getattr(opts, "warps_" + n) for n in names}
         self.nw = {n: 1 if interp else (min(2, warps[n]) if small else warps[n]) for n in names}

@@ -58,7 +58,7 @@ class ChunkOptions:
     # forward kernels
     # w times the state in 16 bits (one product), the state update split: on the H200 the 16-bit state update
     # put the hardest oracle case (decay near zero) over the bf16 bound (o 3.03e-3 > 3e-3), the 16-bit w-state
-    # product did not (2.84e-3) and is 2 % (16 K-64 K tokens) to 10 % (4 K) faster (BENCHMARKS.md, session 7)
+    # product did not (2.84e-3) and is 2 % (16 K-64 K tokens) to 10 % (4 K) faster (BENCHMARKS.md#gdn-16bit-w-state)
     fwd_prod_wh: str = "16"
     fwd_prod_kv: str = "x2"
     fwd_prod_qh: str = "x2"
@@ -115,7 +115,7 @@ class ChunkOptions:
         if self.fwd_prod_qh == "16":
             # q times an fp32 state rounded to 16 bits in registers gave NaN outputs on an H200 with Triton 3.6
             raise ValueError("ChunkOptions.fwd_prod_qh='16' is refused (NaN outputs on the H200 with Triton 3.6, "
-                             "BENCHMARKS.md); allowed: 'x2', 'tf32'")
+                             "BENCHMARKS.md#gdn-v2-combined); allowed: 'x2', 'tf32'")
         for name in ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo"):
             if getattr(self, name) not in PROD_MODES:
                 raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: "

@@ -16,7 +16,7 @@ def register(registry: Registry) -> None:
         "triton", load_attr(KERNEL, "swiglu_triton"), triton_available(KERNEL), triton_supports,
         auto_skip=triton_forced_only(
             "slower than transformers' torch formula on the H200 (fwd+bwd 0.28x at the shared expert and 0.44x "
-            "at the routed experts' sizes, 4096 tokens; BENCHMARKS.md)"),
+            "at the routed experts' sizes, 4096 tokens; BENCHMARKS.md#block-ops)"),
          note="deltafuse's fused Triton silu(gate) * up (fwd+bwd)"))
     registry.register(SWIGLU, Candidate(
         "npu", load_attr("deltafuse.ops.swiglu.npu", "swiglu_npu"), npu_available("npu_swiglu"), npu_supports,

@@ -153,7 +153,7 @@ def configured(options: ChunkOptions | None = None, stage_hook: StageHook | None
     ``stage_hook(stage_name)`` after each kernel launch of their forward and backward (a benchmark's per-stage
     timing); what was in effect before is restored on exit. A call reads them once, at its start: its backward
     uses its forward's, wherever it runs. Normal use never needs it: the defaults are the tuned values
-    (BENCHMARKS.md)."""
+    (BENCHMARKS.md#gdn-v2-combined, #gdn-16bit-w-state)."""
     _check(options)
     token = _DEFAULTS.set((DEFAULT_OPTIONS if options is None else options, stage_hook))
     try:

@@ -1,4 +1,5 @@
-"""The arguments of a wrapped forward call, read and replaced by parameter name (``self`` excluded)."""
+"""What the forward wrappers share: the arguments of a wrapped call by parameter name (``self`` excluded), and
+the marks that name a wrapper's original and its factory (``patcher.describe`` reads them)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,10 @@ def set_call_argument(signature: inspect.Signature, args: tuple, kwargs: dict, n
 def all_ones_mask(mask) -> bool:
     """A 2-D attention mask that masks nothing (what tokenizers and many collators return for unpadded rows)."""
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask == 1).all())
+
+
+def mark_wrapper(wrapper, original, factory: str):
+    """``wrapper``, marked as built by ``deltafuse.<factory>`` around ``original``."""
+    wrapper.__deltafuse_wraps__ = original
+    wrapper.__deltafuse_factory__ = f"deltafuse.{factory}"
+    return wrapper

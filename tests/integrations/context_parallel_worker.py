@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import deltafuse
-from deltafuse.integrations.transformers import context_parallel
+from deltafuse.integrations.transformers import cp_exchange
 from deltafuse.models import build_model
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"]
@@ -64,7 +64,7 @@ def fsdp_grads(model) -> dict:
     return {name: (p.grad.full_tensor() if p.grad is not None else None) for name, p in model.named_parameters()}
 
 
-_RECEIVED_ONCE = context_parallel._received_once
+_RECEIVED_ONCE = cp_exchange.received_once
 
 
 def _count_reuse() -> dict:
@@ -76,7 +76,7 @@ def _count_reuse() -> dict:
             counts[kind] += 1
         return _RECEIVED_ONCE(shard, kind, layer, receive)
 
-    context_parallel._received_once = received_once
+    cp_exchange.received_once = received_once
     return counts
 
 
@@ -97,8 +97,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             fully_shard([causal.model.norm, causal.get_output_embeddings()], reshard_after_forward=False)
         fully_shard(model)
         result_head = type(causal.get_output_embeddings()).__name__
-    context_parallel._DISABLED.clear()
-    context_parallel._DISABLED.update(case["disabled"])
+    cp_exchange.DISABLED.clear()
+    cp_exchange.DISABLED.update(case["disabled"])
     T = case["ids"].shape[1]
     shard = slice(rank * T // world, (rank + 1) * T // world)
     inputs = {"input_ids": case["ids"][:, shard], "position_ids": case["pos"][:, shard],
@@ -132,8 +132,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             result["head_type"] = result_head
             result["param_types"] = sorted({type(p).__name__ for p in model.parameters()})
     finally:
-        context_parallel._received_once = _RECEIVED_ONCE
-        context_parallel._DISABLED.clear()
+        cp_exchange.received_once = _RECEIVED_ONCE
+        cp_exchange.DISABLED.clear()
         deltafuse.revert()
     return result
 

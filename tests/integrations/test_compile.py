@@ -14,6 +14,7 @@ import torch
 
 import deltafuse
 from deltafuse.integrations.transformers import adapters
+from deltafuse.integrations.transformers import boundaries as bd
 from deltafuse.integrations.transformers import packing as pk
 from deltafuse.models import TINY_NAMES, build_model
 
@@ -92,7 +93,7 @@ def test_compiled_packed_gdn_layer_equals_each_sequence_alone():
         x = torch.randn(2, pos.shape[1], model.config.hidden_size, requires_grad=True)
 
         def packed(x, pos):
-            packing = pk.packing_from_position_ids(pos, *pos.shape)
+            packing = bd.packing_from_position_ids(pos, *pos.shape)
             assert packing.cu_seqlens is None and packing.offsets is None  # the compiled route
             return layer(x, **{pk.PACKING_KWARG: packing})
 
@@ -132,14 +133,14 @@ def test_packing_ops_pass_opcheck(grad, state):
     torch.library.opcheck(adapters._packed_gdn_op.op, _gdn_args(grad, state, state))
     if not grad and not state:
         cu = torch.tensor([0, 4, 5, 11, 18, 22], dtype=torch.int32)
-        torch.library.opcheck(pk.packing_starts, (cu, 2, 11))
+        torch.library.opcheck(bd.packing_starts, (cu, 2, 11))
 
 
 def test_packed_gdn_op_equals_the_eager_route_with_states():
     """Initial states continue each row's first sequence and final states are each row's last, as eagerly."""
     q, k, v, g, beta, h0, seq_idx, scale, *_ = _gdn_args(False, True, True)
     o, final, _ = adapters._packed_gdn_op.op(q, k, v, g, beta, h0, seq_idx, scale, True, True, False, [False] * 6)
-    packing = pk.packing_from_seq_idx(seq_idx, *seq_idx.shape)
+    packing = bd.packing_from_seq_idx(seq_idx, *seq_idx.shape)
     assert packing.offsets == (0, 2, 5, 6, 10, 12)
     want_o, want_final = adapters._gdn_call(deltafuse.ops.chunk_gated_delta_rule, q, k, v, g, beta, scale, h0,
                                             True, True, packing)
@@ -148,15 +149,15 @@ def test_packed_gdn_op_equals_the_eager_route_with_states():
 
 
 def test_packing_starts_checks_the_offsets_when_it_runs():
-    starts = pk.packing_starts(torch.tensor([0, 4, 5, 11, 18, 22]), 2, 11)
+    starts = bd.packing_starts(torch.tensor([0, 4, 5, 11, 18, 22]), 2, 11)
     want = torch.zeros(2, 11, dtype=torch.bool)
     want[0, [0, 4, 5]] = True
     want[1, [0, 7]] = True
     assert torch.equal(starts, want)
-    with pytest.raises(pk.PackingError, match=r"run from 0 to B\*T = 2\*11 = 22 .* got 0 \.\.\. 21"):
-        pk.packing_starts(torch.tensor([0, 4, 21]), 2, 11)
-    with pytest.raises(pk.PackingError, match=r"must not decrease .*got \[0, -3, 22\]"):
-        pk.packing_starts(torch.tensor([0, -3, 22]), 2, 11)
+    with pytest.raises(bd.PackingError, match=r"run from 0 to B\*T = 2\*11 = 22 .* got 0 \.\.\. 21"):
+        bd.packing_starts(torch.tensor([0, 4, 21]), 2, 11)
+    with pytest.raises(bd.PackingError, match=r"must not decrease .*got \[0, -3, 22\]"):
+        bd.packing_starts(torch.tensor([0, -3, 22]), 2, 11)
 
 
 def test_compiled_boundaries_equal_eager():
@@ -166,8 +167,8 @@ def test_compiled_boundaries_equal_eager():
     pos = torch.tensor([[0, 1, 2, 3, 0, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])
 
     def boundaries(cu, pos):
-        given = pk.packing_from_cu_seqlens(cu, 2, 11)
-        derived = pk.packing_from_position_ids(pos, 2, 11)
+        given = bd.packing_from_cu_seqlens(cu, 2, 11)
+        derived = bd.packing_from_position_ids(pos, 2, 11)
         return given.seq_idx, given.positions(), derived.seq_idx
 
     torch._dynamo.reset()
@@ -175,7 +176,7 @@ def test_compiled_boundaries_equal_eager():
     for got, want in zip(compiled(cu, pos), boundaries(cu, pos)):
         assert torch.equal(got, want)
     assert torch.equal(compiled(cu, pos)[1], pos)
-    with pytest.raises(pk.PackingError, match=r"run from 0 to B\*T"):
+    with pytest.raises(bd.PackingError, match=r"run from 0 to B\*T"):
         compiled(torch.tensor([0, 4, 5, 11, 18, 21], dtype=torch.int32), pos)
     torch._dynamo.reset()
 

@@ -213,7 +213,7 @@ def test_refused_arguments(group):
 
 def test_refused_calls_and_revert(group):
     from deltafuse.integrations.transformers.context_parallel import ContextParallelError
-    from deltafuse.integrations.transformers.packing import PackingError
+    from deltafuse.integrations.transformers.boundaries import PackingError
     import deltafuse
 
     model = build_model("tiny")
@@ -275,16 +275,16 @@ def _dense_attention(query, key, value, segments, scaling):
 def test_attention_segments_and_lower_right_attention():
     """The segments of a shard's sequences, and the lower-right causal attention over them (CPU fp32: torch
     builds the mask; grouped K/V passed as they are) against a float64 softmax per query, forward and backward."""
-    from deltafuse.integrations.transformers import context_parallel as cp
+    from deltafuse.integrations.transformers import cp_attention as cpa
 
     shard, packing = _attention_case()
-    segments = cp.attention_segments(packing, shard)
+    segments = cpa.attention_segments(packing, shard)
     assert segments == [(0, 0, 3, 5, 14), (0, 3, 1, 19, 1), (0, 4, 4, 20, 4), (1, 0, 8, 0, 24)]
     query = torch.randn(2, 4, 8, 16, dtype=torch.float64, requires_grad=True)
     key = torch.randn(2, 2, 24, 16, dtype=torch.float64, requires_grad=True)
     value = torch.randn(2, 2, 24, 16, dtype=torch.float64, requires_grad=True)
     ref = _dense_attention(query, key, value, segments, 0.3)
-    got = cp.causal_attention_lower_right(*(t.float() for t in (query, key, value)), segments, 0.3)
+    got = cpa.causal_attention_lower_right(*(t.float() for t in (query, key, value)), segments, 0.3)
     assert got.shape == (2, 8, 4, 16) and got.is_contiguous()
     assert rel_max(got, ref) <= RTOL
     # gradients against autograd through the float64 oracle
@@ -311,7 +311,7 @@ def test_attention_segments_and_lower_right_attention():
 
 
 def test_repeat_heads_is_repeat_interleave():
-    from deltafuse.integrations.transformers.context_parallel import _repeat_heads
+    from deltafuse.integrations.transformers.cp_attention import _repeat_heads
 
     x = torch.randn(5, 3, 7)
     assert torch.equal(_repeat_heads(x, 4, 1), x.repeat_interleave(4, dim=1))
@@ -324,10 +324,10 @@ def test_repeat_heads_is_repeat_interleave():
 def test_attention_routes_bf16_gpu(route):
     """bf16 on CUDA, moe8's heads (16 query, 2 key/value heads of 256): the varlen call and the per-sequence
     loop (flash with grouped K/V) against the float64 oracle, forward and backward."""
-    from deltafuse.integrations.transformers import context_parallel as cp
+    from deltafuse.integrations.transformers import cp_attention as cpa
 
     shard, packing = _attention_case()
-    segments = cp.attention_segments(packing, shard)
+    segments = cpa.attention_segments(packing, shard)
     scale = 256 ** -0.5
     q = torch.randn(2, 16, 8, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 2, 24, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -338,13 +338,13 @@ def test_attention_routes_bf16_gpu(route):
 
         if varlen_api() is None:
             pytest.skip("this torch has no varlen_attn")
-        assert cp._varlen(q, k, v, segments, scale, cu) is not None  # really the varlen route
-    got = cp.causal_attention_lower_right(q, k, v, segments, scale, cu)
+        assert cpa._varlen(q, k, v, segments, scale, cu) is not None  # really the varlen route
+    got = cpa.causal_attention_lower_right(q, k, v, segments, scale, cu)
     ref = _dense_attention(q.cpu(), k.cpu(), v.cpu(), segments, scale)
     assert rel_max(got.cpu(), ref) <= 2e-2
     got.float().square().sum().backward()
     q64, k64, v64 = (t.detach().cpu().to(torch.float64).requires_grad_() for t in (q, k, v))
-    out64 = cp.causal_attention_lower_right(q64, k64, v64, segments, scale)
+    out64 = cpa.causal_attention_lower_right(q64, k64, v64, segments, scale)
     out64.square().sum().backward()
     for t, r in ((q, q64), (k, k64), (v, v64)):
         assert rel_max(t.grad.cpu(), r.grad) <= 5e-2
@@ -358,13 +358,14 @@ def test_attention_memory_at_32k_queries_64k_keys_gpu():
     gradient stays under 4 GiB (the dense [32K, 64K] mask alone is 2 GiB as bool, 4 GiB as the bf16 bias SDPA
     turns it into, plus 1 GiB of repeated K/V)."""
     from deltafuse.integrations.transformers import context_parallel as cp
+    from deltafuse.integrations.transformers import cp_attention as cpa
 
     L, T = 32768, 65536
     shard = cp.Shard(None, 1, 2, 1, L, torch.zeros(1, T, dtype=torch.int64), (True,), (0,))
     from types import SimpleNamespace
 
     packing = SimpleNamespace(offsets=(0, L), length=L)
-    segments = cp.attention_segments(packing, shard)
+    segments = cpa.attention_segments(packing, shard)
     assert segments == [(0, 0, L, 0, T)]
     q = torch.randn(1, 16, L, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 2, T, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -374,7 +375,7 @@ def test_attention_memory_at_32k_queries_64k_keys_gpu():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = cp.causal_attention_lower_right(q, k, v, segments, 256 ** -0.5, cu)
+    out = cpa.causal_attention_lower_right(q, k, v, segments, 256 ** -0.5, cu)
     out.backward(seed)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
@@ -387,6 +388,7 @@ def test_each_layer_exchanges_once_per_model_call():
     model call is refused, except inside a backward (gradient checkpointing's recomputation), which gets the kept
     values without exchanging; the send side likewise."""
     from deltafuse.integrations.transformers import context_parallel as cp
+    from deltafuse.integrations.transformers import cp_exchange as cpx
 
     shard = cp.Shard(None, 1, 2, 1, 4, torch.arange(8).view(1, 8), (True,), (0,))
     layer = torch.nn.Linear(2, 2)
@@ -394,20 +396,20 @@ def test_each_layer_exchanges_once_per_model_call():
     def again():
         raise AssertionError("exchanged a second time")
 
-    first = cp._received_once(shard, "halo", layer, lambda: torch.randn(3) + 2.0)
-    assert cp._sends_once(shard, "state", layer)
+    first = cpx.received_once(shard, "halo", layer, lambda: torch.randn(3) + 2.0)
+    assert cpx.sends_once(shard, "state", layer)
     with pytest.raises(cp.ContextParallelError, match=r"Linear \(layer \?\) ran twice in one model call outside a "
                                                       r"recomputation; allowed: each layer once per call"):
-        cp._received_once(shard, "halo", layer, again)
+        cpx.received_once(shard, "halo", layer, again)
     with pytest.raises(cp.ContextParallelError, match="ran twice in one model call outside a recomputation"):
-        cp._sends_once(shard, "state", layer)
+        cpx.sends_once(shard, "state", layer)
     seen = []
     x = torch.randn(2, requires_grad=True)
     y = x * 2.0
-    y.register_hook(lambda grad: seen.append((cp._received_once(shard, "halo", layer, again),
-                                               cp._sends_once(shard, "state", layer))))
+    y.register_hook(lambda grad: seen.append((cpx.received_once(shard, "halo", layer, again),
+                                               cpx.sends_once(shard, "state", layer))))
     y.sum().backward()
     kept, send = seen[0]
     assert torch.equal(kept, first) and kept is not first and not send
     other = torch.nn.Linear(2, 2)  # another layer exchanges for itself
-    assert torch.equal(cp._received_once(shard, "halo", other, lambda: first * 3), first * 3)
+    assert torch.equal(cpx.received_once(shard, "halo", other, lambda: first * 3), first * 3)

@@ -14,6 +14,7 @@ import torch
 from deltafuse import patching
 from deltafuse.maps import FAMILY_MAPS
 from deltafuse.integrations.transformers import adapters_fused as af
+from deltafuse.integrations.transformers import adapters_loss as al
 from deltafuse.integrations.transformers.patcher import FamilyMap, Patcher, Route
 from deltafuse.models import TINY_NAMES, build_model
 from tests.integrations import (RTOL, assert_grads_close, count_op_calls, family_modules, grads, packed_inputs,
@@ -139,7 +140,7 @@ def test_logits_when_asked_and_stock_loss_path_conditions(spy):
     ref, ref_grads = _step(model, kwargs)
     patching.apply(model)
     fused = spy["fused_linear_cross_entropy"]
-    out, got = _step(model, {**kwargs, af.LOGITS_KWARG: True})
+    out, got = _step(model, {**kwargs, al.LOGITS_KWARG: True})
     assert spy["fused_linear_cross_entropy"] == fused  # asked for logits: the stock loss path
     assert rel_max(out.logits, ref.logits) < RTOL and out.logits.requires_grad
     assert_grads_close(got, ref_grads)
@@ -165,7 +166,7 @@ def test_logits_when_asked_and_stock_loss_path_conditions(spy):
     assert seen and spy["fused_linear_cross_entropy"] == fused + 1
     with pytest.raises(ValueError, match=r"deltafuse_logits='yes'; allowed: True or False"):
         model(**kwargs, deltafuse_logits="yes")
-    blocker = af.fused_loss_blocker
+    blocker = al.fused_loss_blocker
     assert blocker(model, kwargs) == "the model has a custom loss function"
     del model._loss_function
     assert blocker(model, kwargs) is None
@@ -209,13 +210,13 @@ def test_tied_embedding_head_gets_both_gradients(spy):
 
 def test_head_weight_rules():
     lin = torch.nn.Linear(4, 6)
-    assert af.head_weight(lin) == (lin.weight, lin.bias)
+    assert al.head_weight(lin) == (lin.weight, lin.bias)
     handle = lin.register_forward_hook(lambda *a: None)
-    assert af.head_weight(lin) is None  # a hooked head (tensor parallelism, offloading): stock path
+    assert al.head_weight(lin) is None  # a hooked head (tensor parallelism, offloading): stock path
     handle.remove()
     lin.forward = lambda x: x
-    assert af.head_weight(lin) is None
-    assert af.head_weight(torch.nn.Sequential(torch.nn.Linear(4, 6))) is None
+    assert al.head_weight(lin) is None
+    assert al.head_weight(torch.nn.Sequential(torch.nn.Linear(4, 6))) is None
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -239,16 +240,16 @@ def test_fsdp2_head_rules():
 
     for group in (False, True):
         head = fsdp(torch.nn.Linear(4, 6, bias=False), group)
-        assert af.fused_head(head) and af.head_weight(head) == (head.weight, None)
+        assert al.fused_head(head) and al.head_weight(head) == (head.weight, None)
         handle = head.register_forward_hook(lambda *a: None)
-        assert not af.fused_head(head)  # another hook besides FSDP's: stock path
+        assert not al.fused_head(head)  # another hook besides FSDP's: stock path
         handle.remove()
-        assert af.fused_head(head)
-        assert not af.fused_head(fsdp(torch.nn.Embedding(6, 4), group))
-    assert not af._hooked(torch.nn.Linear(4, 6), allow_fsdp=True)
+        assert al.fused_head(head)
+        assert not al.fused_head(fsdp(torch.nn.Embedding(6, 4), group))
+    assert not al._hooked(torch.nn.Linear(4, 6), allow_fsdp=True)
     plain = torch.nn.Linear(4, 6)
     plain.register_forward_pre_hook(FSDPState()._pre_forward, with_kwargs=True)
-    assert not af.fused_head(plain)  # FSDP's hook on a module that is not an FSDP module: not recognised
+    assert not al.fused_head(plain)  # FSDP's hook on a module that is not an FSDP module: not recognised
 
 
 def test_head_weight_of_a_tensor_subclass_computes_stock_logits_and_loss(monkeypatch, spy):
@@ -259,14 +260,14 @@ def test_head_weight_of_a_tensor_subclass_computes_stock_logits_and_loss(monkeyp
     kwargs = _batch(model)
     ref, ref_grads = _step(model, kwargs)
     patching.apply(model)
-    monkeypatch.setattr(af, "plain_tensor", lambda t: False)
+    monkeypatch.setattr(al, "plain_tensor", lambda t: False)
     out, got = _step(model, kwargs)
     assert spy["fused_linear_cross_entropy"] == 0
     assert rel_max(out.loss, ref.loss) < 1e-6 and rel_max(out.logits, ref.logits) < RTOL
     assert out.aux_loss is not None and rel_max(out.aux_loss, ref.aux_loss) < 1e-6
     assert_grads_close(got, ref_grads)
     out = model(**kwargs, return_token_accuracy=True)
-    want = af.token_accuracy_from_logits(ref.logits, kwargs["labels"], None, -100)
+    want = al.token_accuracy_from_logits(ref.logits, kwargs["labels"], None, -100)
     assert out.token_accuracy == want and out.logits is not None
     as_tuple = model(**kwargs, return_dict=False, skip_logits=True)  # stock's order: loss, aux_loss, logits, ...
     assert len(as_tuple) == len(ref.to_tuple()) and rel_max(as_tuple[0], ref.loss) < 1e-6

@@ -8,7 +8,7 @@ import torch
 
 import deltafuse.ops
 from deltafuse import patching
-from deltafuse.integrations.transformers import adapters_fused as af
+from deltafuse.integrations.transformers import adapters_loss as al
 from deltafuse.models import TINY_NAMES, build_model
 from tests.integrations import RTOL, assert_grads_close, grads, rel_max
 
@@ -84,7 +84,7 @@ def test_skip_logits_both_ways_and_token_accuracy_from_stock_logits(name, fused_
         assert_grads_close(got, ref_grads)
         default, _ = _step(model, kwargs)  # training default: skipped, no accuracy field
         assert fused_calls == [True, False] and default.logits is None and "token_accuracy" not in default
-        alias, _ = _step(model, {**kwargs, af.LOGITS_KWARG: True})
+        alias, _ = _step(model, {**kwargs, al.LOGITS_KWARG: True})
         assert fused_calls == [True, False] and rel_max(alias.logits, ref.logits) < RTOL
         with torch.no_grad():
             evaluated = model(**kwargs, return_token_accuracy=True)  # evaluation default: logits

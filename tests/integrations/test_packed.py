@@ -13,7 +13,7 @@ import torch
 import deltafuse
 from deltafuse import patching
 from deltafuse.integrations.transformers import adapters
-from deltafuse.integrations.transformers import packing as pk
+from deltafuse.integrations.transformers import boundaries as bd
 from deltafuse.models import TINY_NAMES, build_model
 from deltafuse.ops import causal_conv1d_fn, chunk_gated_delta_rule
 from tests.integrations import (RTOL, assert_grads_close, grads, packed_inputs, per_sequence_stock, rel_max)
@@ -249,7 +249,7 @@ def test_packed_with_gradient_checkpointing(monkeypatch, reentrant):
 # --- packing helpers and op adapters ----------------------------------------------------------------
 def test_packing_from_position_ids():
     pos = torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5]])
-    p = pk.packing_from_position_ids(pos, 2, 6)
+    p = bd.packing_from_position_ids(pos, 2, 6)
     assert p.cu_seqlens.tolist() == [0, 3, 4, 6, 12]
     assert p.seq_idx.tolist() == [[0, 0, 0, 1, 2, 2], [3, 3, 3, 3, 3, 3]]
     assert p.positions().tolist() == [[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5]]
@@ -260,33 +260,33 @@ def test_packing_from_position_ids():
     p.cu_seqlens[1] = 2  # an in-place change invalidates the copy
     assert host_offsets(p.cu_seqlens) == (0, 2, 4, 6, 12)
     # one sequence per row (and [1, T] broadcast, [4, B, T] multimodal positions): nothing to separate
-    assert pk.packing_from_position_ids(torch.arange(6)[None], 2, 6) is None
-    assert pk.packing_from_position_ids(torch.arange(6).expand(4, 2, 6), 2, 6) is None
+    assert bd.packing_from_position_ids(torch.arange(6)[None], 2, 6) is None
+    assert bd.packing_from_position_ids(torch.arange(6).expand(4, 2, 6), 2, 6) is None
     # [4, B, T]: the first row is the text position (the three RoPE rows after it do not count)
     four = torch.stack([pos, torch.zeros_like(pos), pos, pos])
-    assert pk.packing_from_position_ids(four, 2, 6).cu_seqlens.tolist() == [0, 3, 4, 6, 12]
+    assert bd.packing_from_position_ids(four, 2, 6).cu_seqlens.tolist() == [0, 3, 4, 6, 12]
     # [3, B, T] with equal rows is text; rows that differ (multimodal RoPE) carry no sequence signal
-    assert pk.packing_from_position_ids(pos.expand(3, 2, 6), 2, 6).cu_seqlens.tolist() == [0, 3, 4, 6, 12]
+    assert bd.packing_from_position_ids(pos.expand(3, 2, 6), 2, 6).cu_seqlens.tolist() == [0, 3, 4, 6, 12]
     mm = pos.expand(3, 2, 6).clone()
     mm[1, 0, 3] = 7
-    assert pk.packing_from_position_ids(mm, 2, 6) is None
-    with pytest.raises(pk.PackingError, match=r"position_ids of shape \(2, 5\)"):
-        pk.packing_from_position_ids(torch.zeros(2, 5, dtype=torch.long), 2, 6)
-    with pytest.raises(pk.PackingError, match=r"position_ids of shape \(2, 2, 6\).*\[3\|4, B, T\]"):
-        pk.packing_from_position_ids(torch.zeros(2, 2, 6, dtype=torch.long), 2, 6)
+    assert bd.packing_from_position_ids(mm, 2, 6) is None
+    with pytest.raises(bd.PackingError, match=r"position_ids of shape \(2, 5\)"):
+        bd.packing_from_position_ids(torch.zeros(2, 5, dtype=torch.long), 2, 6)
+    with pytest.raises(bd.PackingError, match=r"position_ids of shape \(2, 2, 6\).*\[3\|4, B, T\]"):
+        bd.packing_from_position_ids(torch.zeros(2, 2, 6, dtype=torch.long), 2, 6)
 
 
 def test_packing_from_cu_seqlens_and_seq_idx_agree():
     cu = torch.tensor([0, 2, 3, 7, 8], dtype=torch.int32)
-    a = pk.packing_from_cu_seqlens(cu, 2, 4)
-    b = pk.packing_from_seq_idx(torch.tensor([[5, 5, 6, 7], [7, 7, 7, 9]]), 2, 4)
+    a = bd.packing_from_cu_seqlens(cu, 2, 4)
+    b = bd.packing_from_seq_idx(torch.tensor([[5, 5, 6, 7], [7, 7, 7, 9]]), 2, 4)
     # a sequence that spans the row end is cut there: rows never share a sequence
     assert a.cu_seqlens.tolist() == b.cu_seqlens.tolist() == [0, 2, 3, 4, 7, 8]
-    with pytest.raises(pk.PackingError, match="must run from 0 to B\\*T = 2\\*4 = 8"):
-        pk.packing_from_cu_seqlens(torch.tensor([0, 3, 6]), 2, 4)
+    with pytest.raises(bd.PackingError, match="must run from 0 to B\\*T = 2\\*4 = 8"):
+        bd.packing_from_cu_seqlens(torch.tensor([0, 3, 6]), 2, 4)
     for bad in ([0, 5, -2, 8], [0, 6, 3, 8]):  # a negative or decreasing offset is refused, never wrapped around
-        with pytest.raises(pk.PackingError, match=r"cu_seq_lens_q must not decrease .*got \[" + str(bad[0])):
-            pk.packing_from_cu_seqlens(torch.tensor(bad), 2, 4)
+        with pytest.raises(bd.PackingError, match=r"cu_seq_lens_q must not decrease .*got \[" + str(bad[0])):
+            bd.packing_from_cu_seqlens(torch.tensor(bad), 2, 4)
 
 
 def test_chunk_adapter_flattens_rows_and_maps_states():
@@ -301,7 +301,7 @@ def test_chunk_adapter_flattens_rows_and_maps_states():
     starts = torch.zeros(B, T, dtype=torch.bool)
     starts[0, [4, 5]] = True
     starts[1, 7] = True
-    packing = pk.packing_from_starts(starts)
+    packing = bd.packing_from_starts(starts)
     o, final = adapters.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
                                                use_qk_l2norm_in_kernel=True, cu_seq_lens_q=packing.cu_seqlens,
                                                use_cache=True)  # an unrelated layer kwarg is ignored
@@ -322,7 +322,7 @@ def test_conv_adapter_boundaries_and_cached_prefix():
     w = torch.randn(C, W)
     starts = torch.zeros(B, T, dtype=torch.bool)
     starts[0, 3] = True
-    packing = pk.packing_from_starts(starts)
+    packing = bd.packing_from_starts(starts)
     out = adapters.causal_conv1d_fn(x, w, None, activation="silu", cu_seq_lens_q=packing.cu_seqlens)
     ref0 = torch.cat([causal_conv1d_fn(x[:1, :, :3], w, activation="silu"),
                       causal_conv1d_fn(x[:1, :, 3:], w, activation="silu")], -1)

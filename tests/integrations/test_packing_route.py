@@ -14,6 +14,7 @@ import torch
 
 from deltafuse import ops
 from deltafuse.integrations.transformers import adapters
+from deltafuse.integrations.transformers import boundaries as bd
 from deltafuse.integrations.transformers import packing as pk
 from tests.integrations import rel_max
 
@@ -67,7 +68,7 @@ def wrapped(monkeypatch):
 
 def _packing():
     pos = torch.tensor([[0, 1, 2, 3, 0, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])
-    return pk.packing_from_position_ids(pos, B, T), [[(0, 4), (4, 5), (5, 11)], [(0, 7), (7, 11)]]
+    return bd.packing_from_position_ids(pos, B, T), [[(0, 4), (4, 5), (5, 11)], [(0, 7), (7, 11)]]
 
 
 def _hidden(seed):
@@ -147,7 +148,7 @@ def test_a_layer_that_skips_an_op_is_refused(wrapped):
     """Its conv never saw the boundaries: an error naming the op and the transformers version."""
     packing, _ = _packing()
     layer = OldDecoderLayer(OldGDN(call_conv=False))
-    with pytest.raises(pk.PackingError, match=r"without calling deltafuse's conv op.*not supported"):
+    with pytest.raises(bd.PackingError, match=r"without calling deltafuse's conv op.*not supported"):
         layer(_hidden(5), **{pk.PACKING_KWARG: packing})
     assert _no_state_left()
 
@@ -158,7 +159,7 @@ def test_a_gdn_layer_inside_a_packed_call_without_boundaries_is_refused(wrapped)
     gdn = OldGDN()
     token = pk._MODEL_PACKING.set(packing)
     try:
-        with pytest.raises(pk.PackingError, match=r"received no sequence boundaries.*transformers \d"):
+        with pytest.raises(bd.PackingError, match=r"received no sequence boundaries.*transformers \d"):
             gdn(_hidden(6))
     finally:
         pk._MODEL_PACKING.reset(token)
@@ -178,7 +179,7 @@ def test_op_and_layer_batch_must_agree(wrapped):
     token = pk._OP_PACKING.set(pk._HeldPacking(packing))
     try:
         q = torch.randn(1, T, H, K)
-        with pytest.raises(pk.PackingError, match=r"\[1, 11\] batch .* describe \[2, 11\]"):
+        with pytest.raises(bd.PackingError, match=r"\[1, 11\] batch .* describe \[2, 11\]"):
             adapters.chunk_gated_delta_rule(q, q, q, g=-torch.rand(1, T, H), beta=torch.rand(1, T, H))
     finally:
         pk._OP_PACKING.reset(token)

@@ -13,7 +13,7 @@ from deltafuse.backends import REGISTRY, Candidate
 from deltafuse.config import SettingsError
 from deltafuse.integrations.transformers import adapters
 from deltafuse.maps import FAMILY_MAPS, PATCHER
-from deltafuse.integrations.transformers import packing as pk
+from deltafuse.integrations.transformers import boundaries as bd
 from deltafuse.models import TINY_NAMES, build_model
 from tests.integrations import (RTOL, assert_same_objects, family_modules, grads, packed_inputs, rel_max,
                                 snapshot)
@@ -648,7 +648,7 @@ def test_layers_built_before_apply_without_the_model_refuse_packed_batches():
     rows = [[torch.randint(0, 512, (n,)) for n in (5, 7)]]
     ids, pos, _, _, _ = packed_inputs(rows)
     if old_design():
-        with pytest.raises(pk.PackingError, match=r"call deltafuse.apply\(model\)"):
+        with pytest.raises(bd.PackingError, match=r"call deltafuse.apply\(model\)"):
             with torch.no_grad():
                 model(input_ids=ids, position_ids=pos)
         patching.apply(model)

@@ -564,7 +564,7 @@ def test_gpu_mixed_precision_accumulation_is_exact_in_fp32():
 
 # --- model level: the loss-path adapter of the transformers patch layer ---------------------------------------
 def _fused_causal_lm_forward(original):
-    from deltafuse.integrations.transformers.adapters_fused import wrap_causal_lm_forward
+    from deltafuse.integrations.transformers.adapters_loss import wrap_causal_lm_forward
 
     return wrap_causal_lm_forward(original)
 

@@ -19,9 +19,10 @@ import torch
 
 from deltafuse import ops
 from deltafuse.ops import _library
-from deltafuse.integrations.transformers.packing import (
-    Packing, PackingError, held_layer, held_packing, packing_from_cu_seqlens, packing_from_seq_idx,
+from deltafuse.integrations.transformers.boundaries import (
+    Packing, PackingError, packing_from_cu_seqlens, packing_from_seq_idx,
 )
+from deltafuse.integrations.transformers.packing import held_layer, held_packing
 
 
 def _given_packing(cu_seqlens, seq_idx, batch: int, length: int) -> Packing | None:

@@ -11,6 +11,7 @@ torch class, built ones keep FLA's norm (the note on the row says so, only where
 from __future__ import annotations
 
 from deltafuse.integrations.transformers import adapters_fused as f
+from deltafuse.integrations.transformers import adapters_loss as loss
 from deltafuse.integrations.transformers.patcher import Route
 
 EXPERTS_MAPPING = "transformers.integrations.moe.ExpertsInterface._global_mapping"
@@ -29,10 +30,10 @@ def fused_routes(rms_norm: str, rms_norm_gated: str, mlp: str, causal_lm: str, a
         Route("fused_ops", "global", "", "apply_rotary_pos_emb", f.wrap_apply_rotary_pos_emb, wrap=True),
         Route("fused_ops", "class", mlp, "forward", f.wrap_mlp_forward, wrap=True,
               note="SiLU activations only; other activations run the stock forward"),
-        Route("fused_ops", "class", causal_lm, "forward", f.wrap_causal_lm_forward, wrap=True,
+        Route("fused_ops", "class", causal_lm, "forward", loss.wrap_causal_lm_forward, wrap=True,
               note="fused loss with labels and gradients on; logits returned by the stock path (no grad, "
-                   f"logits_to_keep != 0, return_dict=False, {f.SKIP_LOGITS_KWARG}=False or {f.LOGITS_KWARG}=True); "
-                   f"{f.ACCURACY_KWARG}=True adds {f.ACCURACY_FIELD}"),
+                   f"logits_to_keep != 0, return_dict=False, {loss.SKIP_LOGITS_KWARG}=False or "
+                   f"{loss.LOGITS_KWARG}=True); {loss.ACCURACY_KWARG}=True adds {loss.ACCURACY_FIELD}"),
         # transformers' "sdpa" attention function (shared by every model that selects sdpa)
         Route("fused_ops", "mapping", attention, "sdpa", f.wrap_sdpa_attention, wrap=True, mapping=ATTENTION_MAPPING,
               note="causal self-attention on npu tensors through the registry's route (Ascend's fused kernel); "

@@ -11,10 +11,15 @@ tokens, and a batch of bins is flattened into one row whose ``position_ids`` res
 deltafuse runs of `deltafuse bench e2e` see the very same inputs; deltafuse derives the sequence boundaries
 from the restarting ``position_ids`` for the GDN and conv layers, and full attention builds its packed mask
 from them.
+
+The bins are packed here, not by TRL's ``pack_dataset(strategy="bfd")``: that needs ``datasets`` (not a dependency
+of deltafuse) and leaves every packed row as wide as its own bin, where ``PackedCollator`` fills every row to one
+width so that every step has the same shape.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import json
 import os
@@ -244,59 +249,110 @@ def _render(tokenizer, row: dict) -> tuple[str, list[tuple[int, int]], bool]:
 CUT_MARGIN_CHARS = 1024
 
 
-def _encode_prefix(tokenizer, text: str, seq_len: int, add_special: bool):
-    """(input_ids, offsets, truncated) of the first ``seq_len`` tokens of ``text``.
+# Rows are rendered and tokenised in batches: one call of the tokenizer per batch (a fast tokenizer encodes a
+# batch on several threads), each batch at most this many rows, or fewer once their rendered texts hold this many
+# characters (a streamed file of long rows is still held a batch at a time, never whole).
+ENCODE_BATCH_ROWS = 256
+ENCODE_BATCH_CHARS = 8 << 20
 
-    Only a prefix of the text is tokenised, grown until it yields more than ``seq_len`` tokens that end
+
+def _encode_prefixes(tokenizer, texts: list[str], seq_len: int, add_special: bool) -> list[tuple]:
+    """(input_ids, offsets, truncated) of the first ``seq_len`` tokens of each text.
+
+    Only a prefix of a text is tokenised, grown until it yields more than ``seq_len`` tokens that end
     ``CUT_MARGIN_CHARS`` before the cut (or until it is the whole text): the work and memory are bounded by the
-    tokens kept, not by the row (a 50 MB line costs what its first ``seq_len`` tokens cost).
+    tokens kept, not by the row (a 50 MB line costs what its first ``seq_len`` tokens cost). Every round encodes
+    the texts still growing in one batch.
     """
+    out: list = [None] * len(texts)
+    todo = list(range(len(texts)))
     cut = 4 * seq_len + 2 * CUT_MARGIN_CHARS
-    while True:
-        whole = cut >= len(text)
-        enc = tokenizer(text if whole else text[:cut], add_special_tokens=add_special, return_offsets_mapping=True)
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        if whole:
-            return ids[:seq_len], offsets[:seq_len], len(ids) > seq_len
-        limit, stable = cut - CUT_MARGIN_CHARS, 0
-        for _, end in offsets:  # the leading tokens that the cut cannot have changed
-            if end > limit:
-                break
-            stable += 1
-        if stable > seq_len:
-            return ids[:seq_len], offsets[:seq_len], True
+    while todo:
+        whole = [cut >= len(texts[i]) for i in todo]
+        enc = tokenizer([texts[i] if w else texts[i][:cut] for i, w in zip(todo, whole)],
+                        add_special_tokens=add_special, return_offsets_mapping=True)
+        growing = []
+        for i, w, ids, offsets in zip(todo, whole, enc["input_ids"], enc["offset_mapping"]):
+            if w:
+                out[i] = (ids[:seq_len], offsets[:seq_len], len(ids) > seq_len)
+                continue
+            limit, stable = cut - CUT_MARGIN_CHARS, 0
+            for _, end in offsets:  # the leading tokens that the cut cannot have changed
+                if end > limit:
+                    break
+                stable += 1
+            if stable > seq_len:
+                out[i] = (ids[:seq_len], offsets[:seq_len], True)
+            else:
+                growing.append(i)
+        todo = growing
         cut *= 2
+    return out
+
+
+def _encode_rendered(tokenizer, rendered: list[tuple], seq_len: int) -> list[tuple[list[int], list[int], bool]]:
+    """``encode_row`` of rows already rendered (``_render``): one batch per add_special_tokens value."""
+    out: list = [None] * len(rendered)
+    for add_special in {r[2] for r in rendered}:
+        idx = [i for i, r in enumerate(rendered) if r[2] == add_special]
+        encoded = _encode_prefixes(tokenizer, [rendered[i][0] for i in idx], seq_len, add_special)
+        for i, (ids, offsets, truncated) in zip(idx, encoded):
+            spans = _union(rendered[i][1])
+            starts = [a for a, _ in spans]
+            labels = []
+            for tok, (start, end) in zip(ids, offsets):  # a token is trained on if it starts inside a span
+                k = bisect.bisect_right(starts, start) - 1
+                labels.append(tok if end > start and k >= 0 and start < spans[k][1] else IGNORE_INDEX)
+            out[i] = (ids, labels, truncated)
+    return out
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The character spans [a, b) as sorted disjoint spans covering the same characters."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def encode_row(tokenizer, row: dict, seq_len: int) -> tuple[list[int], list[int], bool]:
     """(input_ids, labels with IGNORE_INDEX outside the completion, truncated?); only the tokens that
     ``seq_len`` keeps are computed."""
-    text, spans, add_special = _render(tokenizer, row)
-    ids, offsets, truncated = _encode_prefix(tokenizer, text, seq_len, add_special)
-    labels = []
-    for tok, (start, end) in zip(ids, offsets):
-        inside = end > start and any(a <= start < b for a, b in spans)
-        labels.append(tok if inside else IGNORE_INDEX)
-    return ids, labels, truncated
+    return _encode_rendered(tokenizer, [_render(tokenizer, row)], seq_len)[0]
 
 
 def encode_rows(tokenizer, rows, seq_len: int, stats: DataStats, vocab_size: int | None = None):
-    """Encoded examples ``{"input_ids", "labels"}`` of an iterable of rows (consumed one at a time: a streamed
+    """Encoded examples ``{"input_ids", "labels"}`` of an iterable of rows (consumed a batch at a time: a streamed
     file is never held whole); counts truncated and dropped rows in ``stats``."""
-    examples = []
+    examples: list[dict] = []
+
+    def add(batch: list[tuple]) -> None:
+        for ids, labels, truncated in _encode_rendered(tokenizer, batch, seq_len):
+            stats.truncated += int(truncated)
+            n_completion = sum(1 for x in labels[1:] if x != IGNORE_INDEX)  # the first label is never predicted
+            if n_completion == 0:
+                stats.dropped_no_completion += 1
+                continue
+            if vocab_size is not None:
+                check_vocabulary([{"input_ids": ids}], vocab_size)
+            examples.append({"input_ids": ids, "labels": labels})
+            stats.tokens += len(ids)
+            stats.completion_tokens += n_completion
+
+    batch, chars = [], 0
     for row in rows:
-        ids, labels, truncated = encode_row(tokenizer, row, seq_len)
+        batch.append(_render(tokenizer, row))
         del row
-        stats.truncated += int(truncated)
-        n_completion = sum(1 for x in labels[1:] if x != IGNORE_INDEX)  # the first label is never predicted
-        if n_completion == 0:
-            stats.dropped_no_completion += 1
-            continue
-        if vocab_size is not None:
-            check_vocabulary([{"input_ids": ids}], vocab_size)
-        examples.append({"input_ids": ids, "labels": labels})
-        stats.tokens += len(ids)
-        stats.completion_tokens += n_completion
+        chars += len(batch[-1][0])
+        if len(batch) >= ENCODE_BATCH_ROWS or chars >= ENCODE_BATCH_CHARS:
+            add(batch)
+            batch, chars = [], 0
+    if batch:
+        add(batch)
+    del batch
     stats.examples = len(examples)
     if not examples:
         raise TrainInputError(f"no row keeps a completion token within --seq-len {seq_len} "
@@ -441,7 +497,10 @@ class PackedCollator:
 
 
 class PaddedCollator:
-    """A batch of examples -> right-padded rows with attention_mask; padded labels are ignored."""
+    """A batch of examples -> right-padded rows with attention_mask; padded labels are ignored.
+
+    Not transformers' ``DataCollatorForSeq2Seq``: it pads through the tokenizer on the tokenizer's padding side,
+    which is the left for some models' tokenizers; these rows are right-padded whatever the tokenizer says."""
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id

@@ -90,6 +90,28 @@ def test_long_rows_are_truncated_and_counted_and_rows_without_completion_dropped
         data.encode_rows(tok, rows[1:2], 8, data.DataStats())
 
 
+@pytest.mark.parametrize("seq_len", [160, 700, 10**9])
+def test_rows_encoded_in_batches_are_encoded_as_each_row_alone(tok, monkeypatch, seq_len):
+    """Batches of several rows (some tokenised whole, some from a cut prefix; both row kinds) give every row the
+    ids, labels and truncation it gets by itself, in order."""
+    long = "".join(f"step {i}: 12 * {i} = <<12*{i}={12 * i}>>{12 * i} — ünïcode 日本\n" for i in range(200))
+    rows = gsm.generate(9, seed=2) + [{"prompt": long, "completion": long[::-1]},
+                                      {"messages": [{"role": "user", "content": "1+1?"},
+                                                    {"role": "assistant", "content": long}]}]
+    rows = rows[5:] + rows[:5]
+    alone = [data.encode_row(tok, r, seq_len) for r in rows]
+    monkeypatch.setattr(data, "ENCODE_BATCH_ROWS", 4)
+    stats = data.DataStats()
+    got = data.encode_rows(tok, rows, seq_len, stats)
+    kept = [(ids, labels) for ids, labels, _ in alone if any(x != data.IGNORE_INDEX for x in labels[1:])]
+    assert [(e["input_ids"], e["labels"]) for e in got] == kept
+    assert stats.truncated == sum(t for *_, t in alone) and stats.examples == len(kept)
+
+
+def test_the_trained_spans_may_touch_or_overlap():
+    assert data._union([(5, 9), (0, 3), (3, 4), (8, 12), (20, 20)]) == [(0, 4), (5, 12)]
+
+
 def test_ids_beyond_the_model_vocabulary_are_refused(tok):
     with pytest.raises(TrainInputError, match="vocabulary has only 100 entries"):
         data.encode_rows(tok, [{"prompt": "a", "completion": "b"}], 64, data.DataStats(), vocab_size=100)

@@ -2,7 +2,7 @@
 
 Why the plain ``transformers.Trainer`` and not TRL's ``SFTTrainer``: padding-free packing needs exactly two
 things, bins of whole examples and a collator that flattens them with restarting ``position_ids``; transformers
-ships the collator (``DataCollatorWithFlattening``) and the bins are a few lines (``data.pack``). SFTTrainer
+ships the collator (``DataCollatorWithFlattening``) and the bins are a few lines (``packing.pack``). SFTTrainer
 would add TRL and ``datasets`` as dependencies and its own packing/collation layer between us and the exact
 inputs the model sees, which is what the stock-vs-deltafuse comparison must control (TRL is a test dependency
 only: ``tests/integrations/test_trl.py``). Everything else (DDP via
@@ -34,7 +34,7 @@ import torch
 
 from deltafuse.train import context_parallel as cp
 from deltafuse.train import data as data_mod
-from deltafuse.train import hfargs, progress, setup, trainargs
+from deltafuse.train import hfargs, packing, progress, setup, trainargs
 from deltafuse.train.errors import TrainInputError
 from deltafuse.train.stopping import is_main_process, make_stopper, say_what_was_kept, signal_name, stopped_by_signal
 from deltafuse.train.outdir import (OutputPlan, check_resume_compatible, checkpoints, plan_output_dir, read_metrics,
@@ -132,7 +132,7 @@ MAX_SEQ_LEN = 2**31 - 1
 
 
 def _check_seq_len(args) -> None:
-    """--seq-len is a length a row can have. Rows are only as wide as the data needs (``data.build_dataset``), so
+    """--seq-len is a length a row can have. Rows are only as wide as the data needs (``packing.build_dataset``), so
     any larger value is allowed and simply truncates nothing."""
     if args.seq_len > MAX_SEQ_LEN:
         raise TrainInputError(f"--seq-len {args.seq_len} is more than a row can hold; allowed: 2 to {MAX_SEQ_LEN:,} "
@@ -284,14 +284,14 @@ def _build_model(run: _Run) -> None:
     vocab = model.get_input_embeddings().weight.shape[0]
     data_mod.check_vocabulary(run.examples, vocab)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    run.dataset, run.collator = data_mod.build_dataset(run.examples, args.seq_len, args.packing, pad_id)
+    run.dataset, run.collator = packing.build_dataset(run.examples, args.seq_len, args.packing, pad_id)
     if run.layout is not None:
         cp.check_model(model, args.context_parallel)
         run.collator = cp.ShardCollator(run.collator, args.context_parallel, run.layout.rank, pad_id,
                                         min_shard=cp.min_shard_tokens(model))
     if run.eval_examples is not None:
         data_mod.check_vocabulary(run.eval_examples, vocab)
-        run.eval_dataset, _ = data_mod.build_dataset(run.eval_examples, args.seq_len, args.packing, pad_id)
+        run.eval_dataset, _ = packing.build_dataset(run.eval_examples, args.seq_len, args.packing, pad_id)
 
     model.config.use_cache = False
     for key in ("eos_token_id", "pad_token_id"):  # the tokenizer decides; say it to the model's configs

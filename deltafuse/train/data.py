@@ -1,26 +1,19 @@
-"""Training data: JSONL loading with strict row checks, tokenisation with completion-only labels, packing.
+"""Training data: JSONL loading with strict row checks, tokenisation with completion-only labels.
 
 Rows are ``{"prompt": str, "completion": str}`` or ``{"messages": [{"role": str, "content": str}, ...]}``.
 Loss is computed only on the completion / the assistant turns. With a chat template in the tokenizer both
 kinds of row are rendered through it (a prompt/completion row becomes one user and one assistant turn);
 without one, prompt and completion are joined as plain text and messages as ``role: content`` lines.
 
-Packing is padding-free: examples are grouped (best-fit decreasing) into bins of at most ``seq_len``
-tokens, and a batch of bins is flattened into one row whose ``position_ids`` restart at 0 at every example
-(transformers' ``DataCollatorWithFlattening``). No ``cu_seq_lens``/``seq_idx`` are passed, so the stock and the
-deltafuse runs of `deltafuse bench e2e` see the very same inputs; deltafuse derives the sequence boundaries
-from the restarting ``position_ids`` for the GDN and conv layers, and full attention builds its packed mask
-from them.
+The examples are packed into bins and collated into batches by ``deltafuse.train.packing``.
 """
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import json
 import os
 from dataclasses import dataclass, field
-
-import torch
 
 from deltafuse.train.errors import TrainInputError
 
@@ -244,59 +237,110 @@ def _render(tokenizer, row: dict) -> tuple[str, list[tuple[int, int]], bool]:
 CUT_MARGIN_CHARS = 1024
 
 
-def _encode_prefix(tokenizer, text: str, seq_len: int, add_special: bool):
-    """(input_ids, offsets, truncated) of the first ``seq_len`` tokens of ``text``.
+# Rows are rendered and tokenised in batches: one call of the tokenizer per batch (a fast tokenizer encodes a
+# batch on several threads), each batch at most this many rows, or fewer once their rendered texts hold this many
+# characters (a streamed file of long rows is still held a batch at a time, never whole).
+ENCODE_BATCH_ROWS = 256
+ENCODE_BATCH_CHARS = 8 << 20
 
-    Only a prefix of the text is tokenised, grown until it yields more than ``seq_len`` tokens that end
+
+def _encode_prefixes(tokenizer, texts: list[str], seq_len: int, add_special: bool) -> list[tuple]:
+    """(input_ids, offsets, truncated) of the first ``seq_len`` tokens of each text.
+
+    Only a prefix of a text is tokenised, grown until it yields more than ``seq_len`` tokens that end
     ``CUT_MARGIN_CHARS`` before the cut (or until it is the whole text): the work and memory are bounded by the
-    tokens kept, not by the row (a 50 MB line costs what its first ``seq_len`` tokens cost).
+    tokens kept, not by the row (a 50 MB line costs what its first ``seq_len`` tokens cost). Every round encodes
+    the texts still growing in one batch.
     """
+    out: list = [None] * len(texts)
+    todo = list(range(len(texts)))
     cut = 4 * seq_len + 2 * CUT_MARGIN_CHARS
-    while True:
-        whole = cut >= len(text)
-        enc = tokenizer(text if whole else text[:cut], add_special_tokens=add_special, return_offsets_mapping=True)
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        if whole:
-            return ids[:seq_len], offsets[:seq_len], len(ids) > seq_len
-        limit, stable = cut - CUT_MARGIN_CHARS, 0
-        for _, end in offsets:  # the leading tokens that the cut cannot have changed
-            if end > limit:
-                break
-            stable += 1
-        if stable > seq_len:
-            return ids[:seq_len], offsets[:seq_len], True
+    while todo:
+        whole = [cut >= len(texts[i]) for i in todo]
+        enc = tokenizer([texts[i] if w else texts[i][:cut] for i, w in zip(todo, whole)],
+                        add_special_tokens=add_special, return_offsets_mapping=True)
+        growing = []
+        for i, w, ids, offsets in zip(todo, whole, enc["input_ids"], enc["offset_mapping"]):
+            if w:
+                out[i] = (ids[:seq_len], offsets[:seq_len], len(ids) > seq_len)
+                continue
+            limit, stable = cut - CUT_MARGIN_CHARS, 0
+            for _, end in offsets:  # the leading tokens that the cut cannot have changed
+                if end > limit:
+                    break
+                stable += 1
+            if stable > seq_len:
+                out[i] = (ids[:seq_len], offsets[:seq_len], True)
+            else:
+                growing.append(i)
+        todo = growing
         cut *= 2
+    return out
+
+
+def _encode_rendered(tokenizer, rendered: list[tuple], seq_len: int) -> list[tuple[list[int], list[int], bool]]:
+    """``encode_row`` of rows already rendered (``_render``): one batch per add_special_tokens value."""
+    out: list = [None] * len(rendered)
+    for add_special in {r[2] for r in rendered}:
+        idx = [i for i, r in enumerate(rendered) if r[2] == add_special]
+        encoded = _encode_prefixes(tokenizer, [rendered[i][0] for i in idx], seq_len, add_special)
+        for i, (ids, offsets, truncated) in zip(idx, encoded):
+            spans = _union(rendered[i][1])
+            starts = [a for a, _ in spans]
+            labels = []
+            for tok, (start, end) in zip(ids, offsets):  # a token is trained on if it starts inside a span
+                k = bisect.bisect_right(starts, start) - 1
+                labels.append(tok if end > start and k >= 0 and start < spans[k][1] else IGNORE_INDEX)
+            out[i] = (ids, labels, truncated)
+    return out
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The character spans [a, b) as sorted disjoint spans covering the same characters."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def encode_row(tokenizer, row: dict, seq_len: int) -> tuple[list[int], list[int], bool]:
     """(input_ids, labels with IGNORE_INDEX outside the completion, truncated?); only the tokens that
     ``seq_len`` keeps are computed."""
-    text, spans, add_special = _render(tokenizer, row)
-    ids, offsets, truncated = _encode_prefix(tokenizer, text, seq_len, add_special)
-    labels = []
-    for tok, (start, end) in zip(ids, offsets):
-        inside = end > start and any(a <= start < b for a, b in spans)
-        labels.append(tok if inside else IGNORE_INDEX)
-    return ids, labels, truncated
+    return _encode_rendered(tokenizer, [_render(tokenizer, row)], seq_len)[0]
 
 
 def encode_rows(tokenizer, rows, seq_len: int, stats: DataStats, vocab_size: int | None = None):
-    """Encoded examples ``{"input_ids", "labels"}`` of an iterable of rows (consumed one at a time: a streamed
+    """Encoded examples ``{"input_ids", "labels"}`` of an iterable of rows (consumed a batch at a time: a streamed
     file is never held whole); counts truncated and dropped rows in ``stats``."""
-    examples = []
+    examples: list[dict] = []
+
+    def add(batch: list[tuple]) -> None:
+        for ids, labels, truncated in _encode_rendered(tokenizer, batch, seq_len):
+            stats.truncated += int(truncated)
+            n_completion = sum(1 for x in labels[1:] if x != IGNORE_INDEX)  # the first label is never predicted
+            if n_completion == 0:
+                stats.dropped_no_completion += 1
+                continue
+            if vocab_size is not None:
+                check_vocabulary([{"input_ids": ids}], vocab_size)
+            examples.append({"input_ids": ids, "labels": labels})
+            stats.tokens += len(ids)
+            stats.completion_tokens += n_completion
+
+    batch, chars = [], 0
     for row in rows:
-        ids, labels, truncated = encode_row(tokenizer, row, seq_len)
+        batch.append(_render(tokenizer, row))
         del row
-        stats.truncated += int(truncated)
-        n_completion = sum(1 for x in labels[1:] if x != IGNORE_INDEX)  # the first label is never predicted
-        if n_completion == 0:
-            stats.dropped_no_completion += 1
-            continue
-        if vocab_size is not None:
-            check_vocabulary([{"input_ids": ids}], vocab_size)
-        examples.append({"input_ids": ids, "labels": labels})
-        stats.tokens += len(ids)
-        stats.completion_tokens += n_completion
+        chars += len(batch[-1][0])
+        if len(batch) >= ENCODE_BATCH_ROWS or chars >= ENCODE_BATCH_CHARS:
+            add(batch)
+            batch, chars = [], 0
+    if batch:
+        add(batch)
+    del batch
     stats.examples = len(examples)
     if not examples:
         raise TrainInputError(f"no row keeps a completion token within --seq-len {seq_len} "
@@ -310,163 +354,3 @@ def check_vocabulary(examples: list[dict], vocab_size: int) -> None:
     if top >= vocab_size:
         raise TrainInputError(f"the tokenizer produces id {top} but the model's vocabulary has only "
                               f"{vocab_size} entries; use the tokenizer that belongs to the model")
-
-
-# --- packing and collation ---------------------------------------------------------------------------
-class _RoomIndex:
-    """Open bins by free room 0..capacity: the fullest bin an example fits in, in O(log capacity + log bins).
-
-    A segment tree over the room values counts the open bins per room; a heap per room value holds their ids,
-    so ties go to the earliest bin (deterministic).
-    """
-
-    def __init__(self, capacity: int):
-        self.size = 1
-        while self.size < capacity + 1:
-            self.size *= 2
-        self.count = [0] * (2 * self.size)
-        self.bins: dict[int, list[int]] = {}
-
-    def _add(self, room: int, delta: int) -> None:
-        i = room + self.size
-        while i:
-            self.count[i] += delta
-            i //= 2
-
-    def push(self, room: int, bin_id: int) -> None:
-        heapq.heappush(self.bins.setdefault(room, []), bin_id)
-        self._add(room, 1)
-
-    def pop_fitting(self, need: int) -> tuple[int, int] | None:
-        """(room, bin id) of the open bin with the least room >= need (removed from the index), or None."""
-        lo = need
-        if lo >= self.size or not self.count[1]:
-            return None
-        # depth-first, left before right: the leftmost non-empty leaf at index >= lo
-        stack, found = [(1, 0, self.size)], None
-        while stack:
-            node, start, width = stack.pop()
-            if not self.count[node] or start + width <= lo:
-                continue
-            if width == 1:
-                found = start
-                break
-            half = width // 2
-            stack.append((2 * node + 1, start + half, half))  # pushed first, so the left half is tried first
-            stack.append((2 * node, start, half))
-        if found is None:
-            return None
-        bin_id = heapq.heappop(self.bins[found])
-        self._add(found, -1)
-        return found, bin_id
-
-
-def pack(examples: list[dict], seq_len: int) -> list[list[dict]]:
-    """Best-fit-decreasing bins of at most ``seq_len`` tokens, O(n log n); deterministic for the same input.
-
-    Longest example first, each into the open bin it fills most tightly (the earliest such bin on ties), a new
-    bin when none has room. Uses at most 11/9 OPT + 6/9 bins (the first-fit-decreasing bound). Bins come in
-    the order they were opened; the examples of a bin in their input order.
-    """
-    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i]["input_ids"]), i))
-    bins: list[list[int]] = []
-    # the index spans the room values that can occur: a bin wider than all the tokens together packs exactly as
-    # one of that width (everything fits in the first bin), so a huge --seq-len costs nothing here
-    cap = min(seq_len, sum(len(ex["input_ids"]) for ex in examples))
-    index = _RoomIndex(cap)
-    for i in order:
-        n = len(examples[i]["input_ids"])
-        if n > seq_len:
-            raise ValueError(f"example {i} has {n} tokens, more than the bin size {seq_len}")
-        hit = index.pop_fitting(n)
-        if hit is None:
-            bins.append([i])
-            room, b = cap - n, len(bins) - 1
-        else:
-            room, b = hit
-            bins[b].append(i)
-            room -= n
-        if room > 0:
-            index.push(room, b)
-    return [[examples[i] for i in sorted(b)] for b in bins]
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-
-class PackedCollator:
-    """A batch of bins -> one padding-free row: input_ids, labels, position_ids restarting at 0 per example.
-
-    With ``row_tokens``, the row is filled up to ``row_tokens`` per bin by one more sequence of pad tokens
-    (its own positions from 0, labels ignored), so every step has the same shape: a packed row whose length
-    changes from step to step makes cuDNN attention build a new plan and Triton kernels specialise again
-    (measured on an H200: dense8 Trainer steps of 0.25 s against 0.115 s for repeated shapes). The pad sequence
-    is a sequence of its own for the GDN, conv and attention layers and adds nothing to the loss, so the
-    real sequences' loss and gradients are unchanged.
-    """
-
-    def __init__(self, pad_token_id: int | None = None, row_tokens: int | None = None):
-        from transformers import DataCollatorWithFlattening
-
-        if row_tokens is not None and pad_token_id is None:
-            raise ValueError("PackedCollator: row_tokens needs a pad_token_id to fill the row with")
-        self.pad_token_id = pad_token_id
-        self.row_tokens = row_tokens
-        self.flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
-
-    def __call__(self, bins):
-        batch = self.flatten([ex for b in bins for ex in b])
-        if self.row_tokens is None:
-            return batch
-        width = self.row_tokens * len(bins)
-        fill = width - batch["input_ids"].shape[1]
-        if fill < 0:
-            raise ValueError(f"PackedCollator: {len(bins)} bin(s) hold {batch['input_ids'].shape[1]} tokens, more "
-                             f"than row_tokens={self.row_tokens} per bin")
-        if fill:
-            pads = {"input_ids": torch.full((1, fill), self.pad_token_id, dtype=batch["input_ids"].dtype),
-                    "labels": torch.full((1, fill), IGNORE_INDEX, dtype=batch["labels"].dtype),
-                    "position_ids": torch.arange(fill, dtype=batch["position_ids"].dtype)[None]}
-            for key, pad in pads.items():
-                batch[key] = torch.cat([batch[key], pad], dim=1)
-        return batch
-
-
-class PaddedCollator:
-    """A batch of examples -> right-padded rows with attention_mask; padded labels are ignored."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, examples):
-        width = max(len(ex["input_ids"]) for ex in examples)
-        ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(examples), width), dtype=torch.long)
-        for r, ex in enumerate(examples):
-            n = len(ex["input_ids"])
-            ids[r, :n] = torch.tensor(ex["input_ids"])
-            labels[r, :n] = torch.tensor(ex["labels"])
-            mask[r, :n] = 1
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-
-
-def build_dataset(examples: list[dict], seq_len: int, packing: bool, pad_token_id: int):
-    """(dataset, collator) for the Trainer.
-
-    Packed: every bin is filled to the width of the fullest bin built (at most ``seq_len``): all steps have one
-    shape, and no row is wider than the data needs (``--seq-len 1000000000`` on short rows allocates short rows).
-    """
-    if packing:
-        bins = pack(examples, seq_len)
-        width = max(sum(len(ex["input_ids"]) for ex in b) for b in bins)
-        return ListDataset(bins), PackedCollator(pad_token_id, width)
-    return ListDataset(examples), PaddedCollator(pad_token_id)

@@ -267,6 +267,30 @@ def plan_output_dir(output_dir: str, *, overwrite: bool, resume: str | None, mod
                       aside_left=aside_left, skipped=_incomplete(output_dir, after=step) if in_place else [])
 
 
+def check_resume_compatible(args, plan: OutputPlan) -> None:
+    """The checkpoint is below --max-steps and its run was trained with the settings this run asks for."""
+    step, checkpoint = plan.resume_step, plan.resume_from
+    if step >= args.max_steps:
+        raise TrainInputError(f"--resume: {checkpoint!r} is at step {step}, which is not below --max-steps "
+                              f"{args.max_steps}; raise --max-steps to train further")
+    saved_path = os.path.join(plan.source_run, "train_args.json")
+    if not os.path.isfile(saved_path):
+        return
+    try:
+        with open(saved_path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise TrainInputError(f"--resume {checkpoint!r}: {saved_path} (the settings of its run) cannot be read "
+                              f"({exc}); the run directory is damaged") from None
+    for key in ("model", "mode", "lora_r", "lora_targets", "lora_mlp", "lora_experts"):
+        if key in saved and str(saved[key]) != str(getattr(args, key, None)):
+            flag = "--" + key.replace("_", "-")
+            raise TrainInputError(f"--resume: the checkpoint was trained with {flag} {saved[key]!r}, this run asks "
+                                  f"for {getattr(args, key, None)!r}; resume with the same setting")
+
+
 def _incomplete(output_dir: str, after: int = -1) -> list[str]:
     """checkpoint-N folders without trainer_state.json (the Trainer writes it last: a save that was cut off)."""
     if not os.path.isdir(output_dir):

@@ -133,7 +133,7 @@ def _check_shards(rows_in, shards, size, width):
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_packed_rows_are_filled_and_cut(size):
-    from deltafuse.train.data import PackedCollator
+    from deltafuse.train.packing import PackedCollator
 
     lengths = [int(n) for n in torch.randint(1, 9, (5,))]
     examples = [{"input_ids": torch.randint(5, 50, (n,)).tolist(), "labels": torch.randint(5, 50, (n,)).tolist()}
@@ -152,7 +152,7 @@ def test_packed_rows_are_filled_and_cut(size):
 
 
 def test_right_padding_becomes_a_pad_sequence():
-    from deltafuse.train.data import PaddedCollator
+    from deltafuse.train.packing import PaddedCollator
 
     lengths = [7, 3, 5]
     examples = [{"input_ids": torch.randint(5, 50, (n,)).tolist(), "labels": torch.randint(5, 50, (n,)).tolist()}

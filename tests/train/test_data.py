@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from deltafuse.train import data, gsm
+from deltafuse.train import data, gsm, packing
 from deltafuse.train.errors import TrainInputError
 from deltafuse.train.tokenizer import build_byte_tokenizer
 
@@ -90,6 +90,28 @@ def test_long_rows_are_truncated_and_counted_and_rows_without_completion_dropped
         data.encode_rows(tok, rows[1:2], 8, data.DataStats())
 
 
+@pytest.mark.parametrize("seq_len", [160, 700, 10**9])
+def test_rows_encoded_in_batches_are_encoded_as_each_row_alone(tok, monkeypatch, seq_len):
+    """Batches of several rows (some tokenised whole, some from a cut prefix; both row kinds) give every row the
+    ids, labels and truncation it gets by itself, in order."""
+    long = "".join(f"step {i}: 12 * {i} = <<12*{i}={12 * i}>>{12 * i} — ünïcode 日本\n" for i in range(200))
+    rows = gsm.generate(9, seed=2) + [{"prompt": long, "completion": long[::-1]},
+                                      {"messages": [{"role": "user", "content": "1+1?"},
+                                                    {"role": "assistant", "content": long}]}]
+    rows = rows[5:] + rows[:5]
+    alone = [data.encode_row(tok, r, seq_len) for r in rows]
+    monkeypatch.setattr(data, "ENCODE_BATCH_ROWS", 4)
+    stats = data.DataStats()
+    got = data.encode_rows(tok, rows, seq_len, stats)
+    kept = [(ids, labels) for ids, labels, _ in alone if any(x != data.IGNORE_INDEX for x in labels[1:])]
+    assert [(e["input_ids"], e["labels"]) for e in got] == kept
+    assert stats.truncated == sum(t for *_, t in alone) and stats.examples == len(kept)
+
+
+def test_the_trained_spans_may_touch_or_overlap():
+    assert data._union([(5, 9), (0, 3), (3, 4), (8, 12), (20, 20)]) == [(0, 4), (5, 12)]
+
+
 def test_ids_beyond_the_model_vocabulary_are_refused(tok):
     with pytest.raises(TrainInputError, match="vocabulary has only 100 entries"):
         data.encode_rows(tok, [{"prompt": "a", "completion": "b"}], 64, data.DataStats(), vocab_size=100)
@@ -164,17 +186,17 @@ def test_unreadable_file(tmp_path, monkeypatch):
 def test_pack_keeps_every_example_once_within_seq_len():
     lengths = [5, 17, 3, 30, 12, 9, 31, 1, 16, 16]
     examples = [{"input_ids": list(range(n)), "labels": list(range(n)), "id": i} for i, n in enumerate(lengths)]
-    bins = data.pack(examples, 32)
+    bins = packing.pack(examples, 32)
     assert sorted(e["id"] for b in bins for e in b) == list(range(len(lengths)))
     assert all(sum(len(e["input_ids"]) for e in b) <= 32 for b in bins)
     assert len(bins) == -(-sum(lengths) // 32)  # best-fit decreasing reaches the volume bound here
-    assert data.pack(examples, 32) == bins
+    assert packing.pack(examples, 32) == bins
 
 
 def test_packed_collator_restarts_positions_and_masks_boundaries():
     bins = [[{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}],
             [{"input_ids": [6, 7, 8, 9], "labels": [-100, -100, 8, 9]}]]
-    batch = data.PackedCollator()(bins)
+    batch = packing.PackedCollator()(bins)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
     assert batch["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, -100, 8, 9]]
@@ -184,20 +206,20 @@ def test_packed_collator_restarts_positions_and_masks_boundaries():
 def test_packed_collator_fills_rows_to_a_constant_width_with_a_sequence_of_its_own():
     bins = [[{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}],
             [{"input_ids": [6, 7, 8, 9], "labels": [-100, -100, 8, 9]}]]
-    batch = data.PackedCollator(pad_token_id=0, row_tokens=6)(bins)
+    batch = packing.PackedCollator(pad_token_id=0, row_tokens=6)(bins)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0, 0]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2]]
     assert batch["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, -100, 8, 9, -100, -100, -100]]
-    full = data.PackedCollator(pad_token_id=0, row_tokens=3)([[{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]])
+    full = packing.PackedCollator(pad_token_id=0, row_tokens=3)([[{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]])
     assert full["input_ids"].tolist() == [[1, 2, 3]] and full["position_ids"].tolist() == [[0, 1, 2]]
     with pytest.raises(ValueError, match="more than row_tokens=2"):
-        data.PackedCollator(pad_token_id=0, row_tokens=2)(bins)
+        packing.PackedCollator(pad_token_id=0, row_tokens=2)(bins)
     with pytest.raises(ValueError, match="needs a pad_token_id"):
-        data.PackedCollator(row_tokens=6)
+        packing.PackedCollator(row_tokens=6)
 
 
 def test_padded_collator():
-    batch = data.PaddedCollator(pad_token_id=0)([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+    batch = packing.PaddedCollator(pad_token_id=0)([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
                                                  {"input_ids": [4], "labels": [4]}])
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
@@ -273,7 +295,7 @@ def test_pack_is_best_fit_decreasing_within_its_bound(seed):
     rng = random.Random(seed)
     cap = rng.choice([8, 13, 32, 100])
     lengths = [rng.randint(1, cap) for _ in range(rng.randint(1, 10))]
-    bins = data.pack(_as_examples(lengths), cap)
+    bins = packing.pack(_as_examples(lengths), cap)
     ids = [[e["id"] for e in b] for b in bins]
     assert ids == _bfd_reference(lengths, cap)
     assert sorted(i for b in ids for i in b) == list(range(len(lengths)))
@@ -290,7 +312,7 @@ def test_pack_80k_rows_is_valid_and_fast():
     lengths = [min(cap, int(rng.lognormvariate(5.5, 1.0)) + 2) for _ in range(80_000)]
     examples = _as_examples(lengths)
     t0 = time.perf_counter()
-    bins = data.pack(examples, cap)
+    bins = packing.pack(examples, cap)
     elapsed = time.perf_counter() - t0
     ids = [e["id"] for b in bins for e in b]
     assert sorted(ids) == list(range(len(lengths)))

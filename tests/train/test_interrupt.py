@@ -17,7 +17,7 @@ import time
 import pytest
 
 from deltafuse.train import outdir, setup, stopping
-from deltafuse.train import trainer as trainer_mod
+from deltafuse.train import progress as progress_mod
 from deltafuse.train.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,7 +101,7 @@ class _Hooks:
     def __init__(self, monkeypatch, *, at_step=None, during_save=False, before_training=None):
         from transformers import Trainer
 
-        make = trainer_mod._make_callback
+        make = progress_mod.make_step_logger
         self.saves = 0
 
         def make_signalling():
@@ -115,7 +115,7 @@ class _Hooks:
 
             return Signalling
 
-        monkeypatch.setattr(trainer_mod, "_make_callback", make_signalling)
+        monkeypatch.setattr(progress_mod, "make_step_logger", make_signalling)
         if during_save:  # after the weights, before the optimizer, scheduler and trainer state are written
             real = Trainer._save_optimizer_and_scheduler
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from deltafuse.train import data, gsm
+from deltafuse.train import data, gsm, packing
 from deltafuse.train.tokenizer import build_byte_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,17 +57,17 @@ def test_a_huge_seq_len_packs_as_the_data_needs(tok):
     examples = data.encode_rows(tok, gsm.generate(40, seed=1), 10**9, data.DataStats())
     total = sum(len(e["input_ids"]) for e in examples)
     t0 = time.perf_counter()
-    bins = data.pack(examples, 999_999_999)
+    bins = packing.pack(examples, 999_999_999)
     assert time.perf_counter() - t0 < 5
-    assert bins == data.pack(examples, total) and len(bins) == 1  # everything fits one bin, packed the same
-    dataset, collator = data.build_dataset(examples, 999_999_999, True, tok.pad_token_id)
+    assert bins == packing.pack(examples, total) and len(bins) == 1  # everything fits one bin, packed the same
+    dataset, collator = packing.build_dataset(examples, 999_999_999, True, tok.pad_token_id)
     assert collator.row_tokens == total  # the row is as wide as its tokens, not --seq-len
     assert collator([dataset[0]])["input_ids"].shape == (1, total)
 
 
 def test_rows_are_filled_to_the_fullest_bin_not_to_seq_len(tok):
     examples = [{"input_ids": [5] * n, "labels": [5] * n} for n in [100] * 7 + [90, 30]]
-    dataset, collator = data.build_dataset(examples, 250, True, tok.pad_token_id)
+    dataset, collator = packing.build_dataset(examples, 250, True, tok.pad_token_id)
     fill = sorted(sum(len(e["input_ids"]) for e in b) for b in dataset.items)
     assert fill == [190, 200, 200, 230] and collator.row_tokens == 230  # not 250: no bin reaches it
     widths = {collator([dataset[i]])["input_ids"].shape[1] for i in range(len(dataset))}

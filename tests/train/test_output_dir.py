@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from deltafuse.train import outdir, setup
-from deltafuse.train import trainer as trainer_mod
+from deltafuse.train import progress as progress_mod
 from deltafuse.train.cli import main
 
 TINY = ["--seq-len", "128", "--num-examples", "10", "--no-progress", "--no-deltafuse", "--save-every", "1"]
@@ -249,7 +249,7 @@ def test_resume_in_place_from_an_earlier_checkpoint_keeps_history_up_to_it(run_b
 
 def _interrupt_at_save(monkeypatch, step: int, exc=KeyboardInterrupt):
     """Raise ``exc`` from a callback right after checkpoint-``step`` is saved (Ctrl-C at the worst moment)."""
-    make = trainer_mod._make_callback
+    make = progress_mod.make_step_logger
 
     def make_interrupting():
         base = make()
@@ -261,7 +261,7 @@ def _interrupt_at_save(monkeypatch, step: int, exc=KeyboardInterrupt):
 
         return Interrupting
 
-    monkeypatch.setattr(trainer_mod, "_make_callback", make_interrupting)
+    monkeypatch.setattr(progress_mod, "make_step_logger", make_interrupting)
 
 
 def test_ctrl_c_during_overwrite_puts_the_previous_run_back(run_b, monkeypatch, capsys):

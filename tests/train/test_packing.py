@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deltafuse.models import TINY_NAMES, build_model
-from deltafuse.train import data
+from deltafuse.train import data, packing
 from deltafuse.train.tokenizer import build_byte_tokenizer
 
 ROWS = [{"prompt": "Ava has 3 apples and buys 4 more. How many?", "completion": "3 + 4 = <<3+4=7>>7\n#### 7"},
@@ -24,8 +24,8 @@ def batches(row_tokens=None):
     tok = build_byte_tokenizer()
     examples = data.encode_rows(tok, ROWS, 512, data.DataStats())
     assert len({len(e["input_ids"]) for e in examples}) == 3  # different lengths, so padding is exercised
-    packed = data.PackedCollator(tok.pad_token_id, row_tokens)([examples])
-    return packed, data.PaddedCollator(tok.pad_token_id)(examples)
+    packed = packing.PackedCollator(tok.pad_token_id, row_tokens)([examples])
+    return packed, packing.PaddedCollator(tok.pad_token_id)(examples)
 
 
 def make_model(name):

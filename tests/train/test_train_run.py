@@ -154,7 +154,7 @@ def test_library_call_reports_through_logging_not_stdout(tmp_path, capsys, caplo
     with caplog.at_level(logging.INFO, logger="deltafuse.train"):
         s = train(args)
     assert capsys.readouterr().out == ""
-    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "deltafuse.train.trainer")
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("deltafuse.train."))
     assert [m.group(1) for m in LINE.finditer(text)] == ["1", "2"], text
     assert "deltafuse: OFF (stock transformers)" in text and "done: 2 steps" in text
     assert s["steps_run"] == 2

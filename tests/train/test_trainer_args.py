@@ -111,11 +111,11 @@ def _parsed(argv):
 def test_fsdp_defaults_to_fsdp2_with_its_own_activation_checkpointing(tmp_path, checkpointing):
     """Without --fsdp_config: FSDP2 on every transformers version (5.2-5.19 default to FSDP1), and
     --gradient-checkpointing as FSDP's activation checkpointing instead of the Trainer's."""
-    from deltafuse.train.trainer import _training_arguments
+    from deltafuse.train.trainargs import training_arguments
 
     argv = ["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard"]
     args = _parsed(argv + (["--gradient-checkpointing"] if checkpointing else []))
-    targs = _training_arguments(args, "cpu", torch.float32, evaluating=False)
+    targs = training_arguments(args, "cpu", torch.float32, evaluating=False)
     assert targs.fsdp_config["version"] == 2
     assert bool(targs.fsdp_config["activation_checkpointing"]) is checkpointing
     trainer_own = getattr(targs, "activation_checkpointing", None) or targs.gradient_checkpointing
@@ -124,7 +124,7 @@ def test_fsdp_defaults_to_fsdp2_with_its_own_activation_checkpointing(tmp_path, 
 
 def test_fsdp_with_its_own_config_and_gradient_checkpointing_is_refused(tmp_path):
     from deltafuse.train.errors import TrainInputError
-    from deltafuse.train.trainer import _training_arguments
+    from deltafuse.train.trainargs import training_arguments
 
     cfg = tmp_path / "fsdp.json"
     cfg.write_text(json.dumps({"version": 2}))
@@ -132,7 +132,7 @@ def test_fsdp_with_its_own_config_and_gradient_checkpointing_is_refused(tmp_path
                     "--gradient-checkpointing"])
     with pytest.raises(TrainInputError, match=r'^--gradient-checkpointing with --fsdp_config: set '
                                               r'"activation_checkpointing": true in the FSDP config instead'):
-        _training_arguments(args, "cpu", torch.float32, evaluating=False)
+        training_arguments(args, "cpu", torch.float32, evaluating=False)
 
 
 def test_trainer_arguments_reach_the_trainer(tmp_path, capsys):
@@ -185,22 +185,22 @@ def test_fsdp_wraps_the_decoder_layers_the_model_has(tmp_path, family, layer):
     """A text-only model's _no_split_modules also names its vision block; accelerate refuses a name it cannot
     find in the model, so FSDP is told the layers that are there (in deltafuse's config or the user's)."""
     from deltafuse.models import build_model
-    from deltafuse.train.trainer import _training_arguments, decoder_layer_classes
+    from deltafuse.train.trainargs import decoder_layer_classes, training_arguments
 
     model = build_model(family)
     layers = decoder_layer_classes(model)
     assert layers == [layer] and layer in model._no_split_modules
     args = _parsed(["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard"])
-    targs = _training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=layers)
+    targs = training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=layers)
     assert targs.fsdp_config["transformer_layer_cls_to_wrap"] == [layer] and targs.fsdp_config["version"] == 2
     own = tmp_path / "own.json"
     own.write_text(json.dumps({"version": 2, "reshard_after_forward": False}))
     args = _parsed(["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard", "--fsdp_config", str(own)])
-    targs = _training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=layers)
+    targs = training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=layers)
     assert targs.fsdp_config["transformer_layer_cls_to_wrap"] == [layer]
     assert targs.fsdp_config["reshard_after_forward"] is False
     named = tmp_path / "named.json"
     named.write_text(json.dumps({"version": 2, "transformer_layer_cls_to_wrap": ["Something"]}))
     args = _parsed(["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard", "--fsdp_config", str(named)])
-    targs = _training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=layers)
+    targs = training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=layers)
     assert targs.fsdp_config["transformer_layer_cls_to_wrap"] == ["Something"]  # the user's choice stands

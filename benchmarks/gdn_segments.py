@@ -29,7 +29,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from deltafuse.ops import _checks
-from deltafuse.ops.gated_delta.kernel import BT, chunk_gated_delta_rule_triton
+from deltafuse.ops.gated_delta.chunk_launch import BT
+from deltafuse.ops.gated_delta.kernel import chunk_gated_delta_rule_triton
 
 # A sequence is cut when it is at least LONG tokens, into pieces of SEGMENT tokens (a multiple of the chunk).
 LONG = 16384

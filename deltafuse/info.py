@@ -28,6 +28,7 @@ def info(devices: list[torch.device] | None = None) -> dict:
             "triton": probes.package_version("triton"),
             "transformers": probes.package_version("transformers"),
             "fla": probes.package_version("fla-core") or probes.package_version("flash-linear-attention"),
+            "flash_qla": probes.package_version("flash-qla"),
         },
         "settings": {**settings.__dict__, "backend_in_effect": forced},
         "devices": [],

@@ -36,7 +36,7 @@ def test_bad_environment_value_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "deltafuse", "info"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
-    assert "DELTAFUSE_BACKEND='cuda'" in proc.stderr and "auto, triton, fla, npu, torch" in proc.stderr
+    assert "DELTAFUSE_BACKEND='cuda'" in proc.stderr and "auto, triton, fla, npu, flash_qla, torch" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -82,7 +82,7 @@ def test_bad_command_lines(argv, words, capsys):
 @pytest.mark.parametrize("name, value, allowed", [
     ("DELTAFUSE_GDN", "maybe", "1/true/yes/on/0/false/no/off"),
     ("DELTAFUSE_PATCH", "2", "1/true/yes/on/0/false/no/off"),
-    ("DELTAFUSE_BACKEND", "cuda", "auto, triton, fla, npu, torch"),
+    ("DELTAFUSE_BACKEND", "cuda", "auto, triton, fla, npu, flash_qla, torch"),
     ("DELTAFUSE_VALIDATE", "sometimes", "1/true/yes/on/0/false/no/off"),
     ("TWINKLE_NPU_FLA", "maybe", "1/true/yes/on/0/false/no/off"),
 ])

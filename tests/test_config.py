@@ -30,7 +30,7 @@ def test_backend_values():
     assert load_settings({"DELTAFUSE_BACKEND": "Triton"}).backend == "triton"
     assert load_settings({"DELTAFUSE_BACKEND": " "}).backend == "auto"
     with pytest.raises(SettingsError, match="DELTAFUSE_BACKEND='cuda' is not a backend; allowed: auto, triton, "
-                                            "fla, npu, torch"):
+                                            "fla, npu, flash_qla, torch"):
         load_settings({"DELTAFUSE_BACKEND": "cuda"})
 
 
@@ -49,7 +49,7 @@ def test_backend_argument_of_the_wrong_type(value):
     with pytest.raises(SettingsError) as err:
         resolve(load_settings({}), backend=value)
     msg = str(err.value)
-    assert f"backend={value!r}" in msg and type(value).__name__ in msg and "auto, triton, fla, npu, torch" in msg
+    assert f"backend={value!r}" in msg and type(value).__name__ in msg and "auto, triton, fla, npu, flash_qla, torch" in msg
 
 
 @pytest.mark.parametrize("word,value", [("1", True), ("TRUE", True), ("Yes", True), ("on", True), ("0", False),

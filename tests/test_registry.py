@@ -300,7 +300,7 @@ def test_importing_backends_imports_no_op_and_asking_registers_every_op():
         "print(len(deltafuse.backends.REGISTRY.ops))\n")
     ops_before, names, n_ops = out.splitlines()
     assert ops_before == "[]"
-    assert names == "('auto', 'triton', 'fla', 'npu', 'torch', 'transformers', 'varlen')"
+    assert names == "('auto', 'triton', 'fla', 'npu', 'flash_qla', 'torch', 'transformers', 'varlen')"
     assert int(n_ops) == len(backends.REGISTRY.ops) == 13
 
 
@@ -377,3 +377,69 @@ def test_public_gdn_op_forced_triton_with_a_too_large_head_is_one_line(name):
     out, _ = op(*small, v, g, beta, backend="triton")
     ref, _ = op(*small, v, g, beta, backend="torch")
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+# --- FlashQLA: requirements, forced only, argument mapping (a stand-in module) ---------------------------
+def _flash_qla_call(dtype=torch.bfloat16, grad=True, K=128, V=128, device=torch.device("cuda", 0)):
+    return CallInfo(device, dtype, grad, (("K", K), ("V", V)))
+
+
+def test_flash_qla_never_serves_automatically_and_says_why(monkeypatch):
+    monkeypatch.setattr(probes, "cuda_capability", lambda index: (9, 0))
+    reg = Registry()
+    gd.register(reg)
+    reg._available[(gd.CHUNK, "flash_qla")] = None  # installed (stand-in)
+    rows = {r.candidate: r for r in reg.explain(gd.CHUNK, _flash_qla_call())}
+    assert not rows["flash_qla"].chosen
+    assert "3.7e-3" in rows["flash_qla"].reason and "backend='flash_qla'" in rows["flash_qla"].reason
+    forced = {r.candidate: r for r in reg.explain(gd.CHUNK, _flash_qla_call(), backend="flash_qla")}
+    assert forced["flash_qla"].chosen
+
+
+@pytest.mark.parametrize("cap,kwargs,match", [
+    ((9, 0), dict(device=CPU), "need a CUDA device; the tensors are on cpu"),
+    ((8, 0), {}, r"compute capability 9.0, 10.0, 10.3 and 12.x only; this GPU has \(8, 0\)"),
+    ((12, 0), {}, "forward only, and this call needs a backward"),
+    ((9, 0), dict(dtype=torch.float32), "fp16 and bf16 only, got float32"),
+    ((9, 0), dict(K=64, V=64), "K = V = 128 only, got K=64, V=64"),
+])
+def test_flash_qla_requirements(monkeypatch, cap, kwargs, match):
+    import re
+
+    monkeypatch.setattr(probes, "cuda_capability", lambda index: cap)
+    assert re.search(match, gd._flash_qla_supports(_flash_qla_call(**kwargs)))
+
+
+def test_flash_qla_serves_what_it_takes(monkeypatch):
+    monkeypatch.setattr(probes, "cuda_capability", lambda index: (12, 0))
+    assert gd._flash_qla_supports(_flash_qla_call(grad=False, dtype=torch.float16)) is None
+    monkeypatch.setattr(probes, "cuda_capability", lambda index: (9, 0))
+    assert gd._flash_qla_supports(_flash_qla_call()) is None
+
+
+def test_flash_qla_argument_mapping(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+
+    def fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        calls.append(dict(args=(q, k, v, g, beta), scale=scale, h0=initial_state, final=output_final_state,
+                          l2=use_qk_l2norm_in_kernel, cu=cu_seqlens))
+        return v * 2, (initial_state.to(torch.bfloat16) if output_final_state else None)
+
+    monkeypatch.setitem(sys.modules, "flash_qla", types.SimpleNamespace(chunk_gated_delta_rule=fake))
+    run = gd._load_flash_qla()
+    q, k = torch.randn(1, 5, 2, 8, dtype=torch.bfloat16), torch.randn(1, 5, 2, 8, dtype=torch.bfloat16)
+    v = torch.randn(1, 5, 4, 8, dtype=torch.bfloat16)
+    g, beta = -torch.rand(1, 5, 4, dtype=torch.bfloat16), torch.rand(1, 5, 4, dtype=torch.bfloat16)
+    h0, cu = torch.randn(2, 4, 8, 8), torch.tensor([0, 2, 5], dtype=torch.int32)
+    out, final = run(q, k, v, g, beta, 0.25, h0, True, True, cu)
+    c = calls[-1]
+    assert c["args"][3].dtype == torch.float32 and torch.equal(c["args"][3], g.float())  # its backward asserts fp32
+    assert c["cu"].dtype == torch.int64 and torch.equal(c["cu"], cu.long())
+    assert c["scale"] == 0.25 and c["h0"] is h0 and c["final"] is True and c["l2"] is True
+    assert torch.equal(out, v * 2) and final.dtype == torch.float32  # the op's contract: fp32 states
+    with pytest.raises(BackendError, match=r"FlashQLA needs v in q's dtype torch.bfloat16, got v.dtype=torch.float32"):
+        run(q, k, v.float(), g, beta, 0.25)

@@ -181,7 +181,7 @@ def _info(args) -> int:
 
 # command -> (module with add_arguments(parser) and run(args), light to import; the one-line help)
 LAZY = {
-    "verify": ("deltafuse.verify_args", "stock vs deltafuse: loss, logits and every gradient"),
+    "verify": ("deltafuse.verify.args", "stock vs deltafuse: loss, logits and every gradient"),
     "train": ("deltafuse.train.cli", "LoRA or full fine-tuning with padding-free packing"),
     "bench": ("deltafuse.bench.cli", "the ON/OFF experiment (e2e) and per-op timings (ops)"),
 }

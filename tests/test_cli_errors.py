@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
-from deltafuse import models, verify
+from deltafuse import models
+from deltafuse import verify as verify_package
+from deltafuse.verify import core as verify
 from deltafuse.cli import main
 from tests.helpers import clean_subprocess_env
 
@@ -173,7 +175,7 @@ def test_a_crash_of_verify_is_not_a_verdict(monkeypatch, capsys):
 
 def test_module_entry_point_uses_the_same_rules(capsys, nothing_built):
     with pytest.raises(SystemExit) as exc:
-        verify.main(["--rtol", "nan"])
+        verify_package.main(["--rtol", "nan"])
     assert exc.value.code == 2
     assert "deltafuse verify: error: argument --rtol:" in _one_line(capsys.readouterr().err)
 
@@ -292,7 +294,7 @@ def test_named_model_names_as_data_are_the_models():
 
     assert model_names.NAMED_MODELS == tuple(models.NAMED_MODELS)
     assert model_names.TINY_NAMES == models.TINY_NAMES
-    from deltafuse import verify_args
+    from deltafuse.verify import args as verify_args
 
     assert set(verify_args.DTYPE_NAMES) == set(verify.DTYPES)
 

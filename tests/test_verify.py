@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from deltafuse import patching, verify, verify_report
+from deltafuse import patching
+from deltafuse.verify import core as verify, report as verify_report
 from deltafuse.cli import main
 from deltafuse.integrations.transformers import adapters
 from deltafuse.maps import PATCHER

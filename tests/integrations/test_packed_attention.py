@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deltafuse import verify
+from deltafuse.verify import core as verify
 from deltafuse.integrations.transformers import adapters, adapters_fused
 from deltafuse.integrations.transformers import packing as pk
 from deltafuse.models import TINY_NAMES

@@ -12,7 +12,7 @@ weighted mean of the per-sequence losses, its gradients are those of that loss.
 
 Metrics per tensor: ``max_abs`` = max |a - b|, ``rel`` = max |a - b| / max |b| (b = stock). A tensor passes
 on ``rel <= rtol``; a parameter gradient may instead pass on the absolute floor ``max_abs <= atol`` while
-``rel <= 0.5`` (see below and ``deltafuse.verify_report``). The report names the criterion of every tensor
+``rel <= 0.5`` (see below and ``deltafuse.verify.report``). The report names the criterion of every tensor
 (``passed_on`` in the JSON) and counts both in its last line. Default tolerances:
 
 =========  =============  ==============
@@ -60,11 +60,11 @@ import sys
 
 import torch
 
-# the command line (arguments, help, exit codes) is deltafuse.verify_args, which imports no torch;
+# the command line (arguments, help, exit codes) is deltafuse.verify.args, which imports no torch;
 # SEED_LIMIT: the batch generator is seeded with seed + 1
-from deltafuse.verify_args import SEED_LIMIT, add_arguments, model_problem  # noqa: F401 (add_arguments: API)
-from deltafuse.verify_report import Comparison, VerifyResult  # noqa: F401 (Comparison: part of this module's API)
-from deltafuse.verify_report import compare as _compare
+from deltafuse.verify.args import SEED_LIMIT, add_arguments, model_problem  # noqa: F401 (add_arguments: API)
+from deltafuse.verify.report import Comparison, VerifyResult  # noqa: F401 (Comparison: part of this module's API)
+from deltafuse.verify.report import compare as _compare
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -457,14 +457,3 @@ def run(args) -> int:
     else:
         print(result.format())
     return EXIT_PASS if result.ok else EXIT_FAIL
-
-
-def main(argv=None) -> int:
-    """`python -m deltafuse.verify ARGS`: the same as `deltafuse verify ARGS`."""
-    from deltafuse.cli import command_main
-
-    return command_main("verify", argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

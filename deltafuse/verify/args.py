@@ -1,7 +1,7 @@
 """The arguments of `deltafuse verify` (``add_arguments``) and its entry (``run``), light to import.
 
 Checking a verify command line imports neither torch nor transformers: the names, limits and help texts are
-plain data here; ``run`` imports ``deltafuse.verify``, which does the work (see its docstring).
+plain data here; ``run`` imports ``deltafuse.verify.core``, which does the work (see its docstring).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from deltafuse.argtypes import positive_float
 from deltafuse.cli import INTERRUPTED, TERMINATED, exit_codes
 from deltafuse.model_names import NAMED_MODELS, TINY_NAMES
 
-# --dtype spellings (deltafuse.verify.DTYPES maps each to its torch dtype)
+# --dtype spellings (deltafuse.verify.core.DTYPES maps each to its torch dtype)
 DTYPE_NAMES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
 SEED_LIMIT = 2**63 - 1  # the batch generator is seeded with seed + 1
 
@@ -53,19 +53,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """`deltafuse verify`: a --model that is neither a name nor a directory is refused here, before torch is
-    imported; then ``deltafuse.verify.run`` (exit codes: see EPILOG)."""
+    imported; then ``deltafuse.verify.core.run`` (exit codes: see EPILOG)."""
     problem = model_problem(args.model)
     if problem:
         print(f"deltafuse verify: error: {problem}", file=sys.stderr)
         return 2
-    from deltafuse.verify import run as verify_run
+    from deltafuse.verify.core import run as verify_run
 
     return verify_run(args)
 
 
 def model_problem(name_or_path: str) -> str | None:
     """Why ``--model name_or_path`` cannot be verified when it is neither a named model nor a directory (one
-    line), else None (a directory's config is checked by ``deltafuse.verify.check_model_arg``)."""
+    line), else None (a directory's config is checked by ``deltafuse.verify.core.check_model_arg``)."""
     if name_or_path in NAMED_MODELS or os.path.isdir(name_or_path):
         return None
     return f"--model {name_or_path!r} is neither a known name ({', '.join(NAMED_MODELS)}) nor a local directory"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deltafuse.cli import INTERRUPTED, TERMINATED, exit_codes
+from deltafuse.exits import INTERRUPTED, TERMINATED, exit_codes
 
 BAD_INPUT = (2, "the benchmark cannot run as asked: one line on stderr naming the argument, file, directory or "
                 "DELTAFUSE_* variable, its value and what is allowed, before anything runs")

@@ -274,6 +274,6 @@ def ran_note(run: str, report: dict) -> str:
 
 
 if __name__ == "__main__":
-    from deltafuse.cli import guarded  # standard library only: Ctrl-C / SIGTERM here are one line, 130 / 143
+    from deltafuse.exits import guarded  # standard library only: Ctrl-C / SIGTERM here are one line, 130 / 143
 
     raise SystemExit(guarded("deltafuse bench e2e", child_main))

@@ -9,7 +9,7 @@ import sys
 
 from deltafuse.argtypes import int_at_least as _int_at_least
 from deltafuse.argtypes import positive_float
-from deltafuse.cli import INTERRUPTED, TERMINATED, exit_codes
+from deltafuse.exits import INTERRUPTED, TERMINATED, exit_codes
 from deltafuse.train.errors import TrainInputError
 
 EPILOG = exit_codes(
@@ -209,7 +209,7 @@ def run(args) -> int:
     except KeyboardInterrupt as exc:
         _ignore_signals_while_exiting()
         code = getattr(exc, "exit_code", 130)  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
-        what = "terminated" if code == 143 else "interrupted"  # the words of deltafuse.cli's own one line
+        what = "terminated" if code == 143 else "interrupted"  # the words of deltafuse.exits' own one line
         print(f"deltafuse train: {what}{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
         return code
     return 0

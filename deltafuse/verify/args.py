@@ -11,7 +11,7 @@ import os
 import sys
 
 from deltafuse.argtypes import positive_float
-from deltafuse.cli import INTERRUPTED, TERMINATED, exit_codes
+from deltafuse.exits import INTERRUPTED, TERMINATED, exit_codes
 from deltafuse.model_names import NAMED_MODELS, TINY_NAMES
 
 # --dtype spellings (deltafuse.verify.core.DTYPES maps each to its torch dtype)

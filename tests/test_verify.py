@@ -454,7 +454,7 @@ def test_stock_torch_baseline_equals_stock_without_fla(name, monkeypatch):
     assert problems and all("the tensors are on cpu" in why for why in problems.values())
     before = {(id(p.owner), p.attr): p.owner.__dict__.get(p.attr) for p in stock.stock_places(model)}
 
-    with stock.stock_torch_baseline(model) as swapped:
+    with stock.stock_torch_baseline(model, deltafuse_applied=False) as swapped:
         assert len(swapped) == sum(c != "torch" for c in choices.values())
         assert stock.stock_fast_path_problems(model, "cpu") == {}  # now stock's choice is torch everywhere
         out = model(input_ids=ids, labels=ids, use_cache=False)
@@ -478,7 +478,7 @@ def test_stock_choices_without_fla_are_torch():
     assert places and {p.op for p in places} >= {"chunk_gated_delta_rule", "causal_conv1d_fn"}
     assert set(stock.stock_choices(model).values()) == {"torch"}
     assert stock.stock_fast_path_problems(model, "cpu") == {}
-    with stock.stock_torch_baseline(model) as swapped:
+    with stock.stock_torch_baseline(model, deltafuse_applied=False) as swapped:
         assert swapped == []
 
 
@@ -509,6 +509,9 @@ def test_baseline_refuses_while_deltafuse_is_applied():
 
     model = build_model("tiny")
     patching.apply(model)
+    from deltafuse.maps import PATCHER  # what the callers (verify, train) pass: whether the patcher holds records
+
     with pytest.raises(RuntimeError, match="deltafuse is applied"):
-        with stock.stock_torch_baseline(model):
+        with stock.stock_torch_baseline(model, deltafuse_applied=PATCHER.has_records()):
             pass
+

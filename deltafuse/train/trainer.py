@@ -95,7 +95,9 @@ def _stock_that_runs(model, stack: contextlib.ExitStack) -> dict:
     problems = stock_fast_path_problems(model, param.device, param.dtype, needs_grad=True)
     if not problems:
         return {"enabled": False, "stock": "stock"}
-    swapped = stack.enter_context(stock_torch_baseline(model))
+    from deltafuse.maps import PATCHER
+
+    swapped = stack.enter_context(stock_torch_baseline(model, deltafuse_applied=PATCHER.has_records()))
     reasons = sorted(set(problems.values()))
     _say(f"stock: its fast path cannot run here ({'; '.join(reasons)}); using transformers' own pure-torch "
          f"functions instead ({len(swapped)} place(s))")

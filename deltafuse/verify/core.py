@@ -386,7 +386,10 @@ def _verify(model, name_or_path, family, packed, device, dtype, rtol, generator,
     # stock's own fast path (FLA, causal-conv1d) may not run here (CPU tensors, FLA's Hopper refusal): then
     # the reference is stock transformers with its own pure-torch GDN functions
     problems = stock.stock_fast_path_problems(model, device, dtype, needs_grad=True)
-    baseline = stock.stock_torch_baseline(model) if problems else contextlib.nullcontext([])
+    from deltafuse.maps import PATCHER
+
+    baseline = (stock.stock_torch_baseline(model, deltafuse_applied=PATCHER.has_records()) if problems
+                else contextlib.nullcontext([]))
     with baseline as swapped:
         routing.start("record")
         ref_loss, ref_logits, ref_grads, batch, call = _stock_run(model, packed, device, generator, vocab)

@@ -24,7 +24,7 @@ API:
   ``"causal_conv1d"``, ...).
 * ``stock_fast_path_problems(model, device, dtype, needs_grad=True)`` - for each place where stock's own
   choice cannot serve calls on ``device`` / ``dtype``, why; empty when stock can run as it is (the predicate).
-* ``stock_torch_baseline(model)`` - a context manager that puts transformers' own pure-torch functions at
+* ``stock_torch_baseline(model, deltafuse_applied=...)`` - a context manager that puts transformers' own pure-torch functions at
   every place where stock chose another package (module globals in both designs; the instance attributes
   of ``model``'s GDN layers and the forward of their FLA gated norms in the old design), yields the list of
   what it swapped, and restores every object on exit.
@@ -250,13 +250,12 @@ def stock_fast_path_problems(model, device: str | torch.device, dtype: torch.dty
 
 
 @contextlib.contextmanager
-def stock_torch_baseline(model) -> Iterator[list[str]]:
+def stock_torch_baseline(model, *, deltafuse_applied: bool) -> Iterator[list[str]]:
     """Within the block, stock transformers runs ``model``'s GDN layers with its own pure-torch functions
     wherever it had picked another package; yields ``["place: package -> torch", ...]`` (empty when stock
-    already ran pure torch everywhere) and restores every swapped object on exit."""
-    from deltafuse.maps import PATCHER
-
-    if PATCHER.has_records():
+    already ran pure torch everywhere) and restores every swapped object on exit. ``deltafuse_applied``: whether
+    deltafuse is applied in this process (the caller, above the patcher, knows; then there is no stock to run)."""
+    if deltafuse_applied:
         raise RuntimeError("stock_torch_baseline: deltafuse is applied in this process, so there is no stock to "
                            "run; call deltafuse.revert() first")
     swapped = []

@@ -49,3 +49,70 @@ def test_the_integration_packages_wire_nothing_on_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
                          check=True).stdout
     assert out.strip() == "['deltafuse.integrations', 'deltafuse.integrations.transformers']"
+
+
+# The package's layers, lowest first (README "How it is built"): a module may import its own layer and the ones
+# below, never one above. ``deltafuse.integrations.trainer`` (the Trainer callback, which applies and reverts) is
+# an application on ``patching``, not a map, so it sits with train/ and verify/.
+LAYERS = (
+    ("deltafuse.argtypes", "deltafuse.model_names", "deltafuse.config", "deltafuse.exits"),
+    ("deltafuse.backends", "deltafuse"),  # the package root connects the registry to config, nothing else
+    ("deltafuse.ops",),
+    ("deltafuse.integrations",),
+    ("deltafuse.maps", "deltafuse.patching", "deltafuse.models", "deltafuse.info", "deltafuse.auto"),
+    ("deltafuse.integrations.trainer", "deltafuse.verify", "deltafuse.train"),
+    ("deltafuse.bench",),
+    ("deltafuse.cli", "deltafuse.__main__"),
+)
+
+
+def _layer(module: str) -> int:
+    best, length = None, -1
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            hit = module == name or (name != "deltafuse" and module.startswith(name + "."))
+            if hit and len(name) > length:
+                best, length = i, len(name)
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best
+
+
+def _imports(path: Path, module: str) -> list[tuple[str, str | None]]:
+    """(imported deltafuse module, the function it is imported in or None at module level) for every import."""
+    import ast
+
+    found = []
+
+    def visit(node, func):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            if isinstance(child, ast.Import):
+                found.extend((a.name, func) for a in child.names if a.name.split(".")[0] == "deltafuse")
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module and \
+                    child.module.split(".")[0] == "deltafuse":
+                for a in child.names:  # ``from deltafuse.x import y``: y itself when it is a module
+                    sub = f"{child.module}.{a.name}"
+                    rel = Path(*sub.split("."))
+                    is_module = (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
+                    found.append((sub if is_module else child.module, func))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), None)
+    return found
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    """The import graph has no arrow up. Two exceptions, both entry points: a ``main`` function, the ``python -m
+    deltafuse.X`` entry of a command, hands its arguments to the top-level ``deltafuse.cli`` (which checks them as
+    ``deltafuse X`` does); the package root's ``__getattr__`` is the lazy public face (``deltafuse.apply``,
+    ``deltafuse.info``), importing what is asked for on first use."""
+    up = []
+    for path in sorted((ROOT / "deltafuse").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for target, func in _imports(path, module):
+            if (func == "main" and target == "deltafuse.cli") or (module == "deltafuse" and func == "__getattr__"):
+                continue
+            if _layer(target) > _layer(module):
+                up.append(f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})")
+    assert not up, "\n".join(up)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from typing import Callable
 
 
 def int_at_least(low: int):
@@ -21,12 +23,18 @@ def int_at_least(low: int):
     return parse
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0; anything else is a one-line error naming the text given."""
+def checked_float(text: str, ok: Callable[[float], bool], allowed: str) -> float:
+    """``text`` as a float for which ``ok`` holds; else a one-line argparse error naming the text given and
+    ``allowed`` (what is allowed, in words)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a finite number > 0") from None
-    if not 0 < value < float("inf"):  # NaN fails both comparisons
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a finite number > 0")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: {allowed}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: {allowed}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0; anything else is a one-line error naming the text given."""
+    return checked_float(text, lambda v: 0 < v < math.inf, "a finite number > 0")  # NaN fails both comparisons

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 
 import pytest
 import torch
 
 from deltafuse.backends.probes import triton_interpreting
+from deltafuse.backends.registry import CallInfo, Registry
 
 
 # Where kernel tests run: the GPU when there is one, else the Triton interpreter on CPU (tests/conftest.py
@@ -57,6 +60,17 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, n
             f"{name}: max abs error {worst:.3e} > {peak:g} * {tol:.1e} * rms(reference) {scale:.3e}")
 
 
+def triton_kernel_module(name: str, kernel: str):
+    """The Triton kernel module ``name`` (a dotted path); skips the test when Triton does not import, or when there
+    is no CUDA and the module's jit function ``kernel`` was compiled for a GPU (TRITON_INTERPRET=1 was not set
+    before its import)."""
+    triton = pytest.importorskip("triton")
+    module = importlib.import_module(name)
+    if DEVICE == "cpu" and not isinstance(getattr(module, kernel), triton.runtime.interpreter.InterpretedFunction):
+        pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)")
+    return module
+
+
 class StandInDevice:
     """What selection reads of a device (type, index), for torch builds that reject 'npu' without torch_npu
     (torch_npu renames the privateuse1 backend on import; doing that here would be irreversible)."""
@@ -74,6 +88,26 @@ def npu_device():
         return torch.device("npu", 0)
     except RuntimeError:
         return StandInDevice("npu", 0)
+
+
+def npu_registry(monkeypatch, torch_npu, register) -> Registry:
+    """A fresh Registry holding the candidates that ``register`` (an op folder's) adds, with ``torch_npu`` (a
+    stand-in module, or None: ``import torch_npu`` fails) in sys.modules for the rest of the test."""
+    monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
+    reg = Registry()
+    register(reg)
+    return reg
+
+
+def npu_route(monkeypatch, torch_npu, register, op):
+    """Such a registry and what it picks for ``op`` in a bf16 call that needs gradients on an npu device, after
+    checking that it is the npu candidate, marked unverified on hardware, and that the Triton candidate says why
+    not."""
+    reg = npu_registry(monkeypatch, torch_npu, register)
+    call = CallInfo(npu_device(), torch.bfloat16, True)
+    rows = {d.candidate: d for d in reg.explain(op, call)}
+    assert rows["npu"].chosen and rows["npu"].verified is False and rows["triton"].reason
+    return reg, reg.select(op, call)
 
 
 class Float64Everywhere(torch.overrides.TorchFunctionMode):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import sys
 
 from deltafuse.argtypes import int_at_least as _int_at_least
-from deltafuse.argtypes import positive_float
+from deltafuse.argtypes import checked_float, positive_float
 from deltafuse.exits import INTERRUPTED, TERMINATED, exit_codes
 from deltafuse.train.errors import TrainInputError
 
@@ -24,23 +25,11 @@ EPILOG = exit_codes(
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: 0 <= p < 1") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: 0 <= p < 1")
-    return value
+    return checked_float(text, lambda v: 0 <= v < 1, "0 <= p < 1")
 
 
 def _minutes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: minutes >= 0 (0: off)") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: a finite number of minutes >= 0 (0: off)")
-    return value
+    return checked_float(text, lambda v: 0 <= v < math.inf, "a finite number of minutes >= 0 (0: off)")
 
 
 def _names(text: str) -> list[str]:

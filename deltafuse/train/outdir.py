@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
+from deltafuse.train import jsonfile
 from deltafuse.train.errors import TrainInputError
 
 ARTIFACTS = ("final", "metrics.jsonl", "summary.json", "train_args.json")
@@ -277,10 +278,7 @@ def check_resume_compatible(args, plan: OutputPlan) -> None:
     if not os.path.isfile(saved_path):
         return
     try:
-        with open(saved_path, encoding="utf-8") as fh:
-            saved = json.load(fh)
-        if not isinstance(saved, dict):
-            raise ValueError("not a JSON object")
+        saved = jsonfile.read_object(saved_path)
     except (OSError, ValueError) as exc:
         raise TrainInputError(f"--resume {checkpoint!r}: {saved_path} (the settings of its run) cannot be read "
                               f"({exc}); the run directory is damaged") from None

@@ -4,13 +4,12 @@ on the command line (``hfargs``), checked before anything heavy is built; FSDP's
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
 
-from deltafuse.train import hfargs, setup
+from deltafuse.train import hfargs, jsonfile, setup
 from deltafuse.train.errors import TrainInputError
 
 
@@ -48,10 +47,7 @@ def _fsdp_config(overrides: dict, args, layers: list[str] | None) -> dict | None
         if layers is None or not isinstance(given, str):
             return None  # transformers reads and checks it
         try:
-            with open(given, encoding="utf-8") as fh:
-                cfg = json.load(fh)
-            if not isinstance(cfg, dict):
-                raise ValueError("not a JSON object")
+            cfg = jsonfile.read_object(given)
         except (OSError, ValueError) as exc:
             raise TrainInputError(f"--fsdp_config {given!r}: cannot be read as a JSON object ({exc})") from None
     named = cfg.get("transformer_layer_cls_to_wrap", cfg.get("fsdp_transformer_layer_cls_to_wrap"))

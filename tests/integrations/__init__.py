@@ -126,3 +126,19 @@ def count_op_calls(monkeypatch, names) -> dict[str, int]:
 
         monkeypatch.setattr(deltafuse.ops, name, counting)
     return counts
+
+
+def record_op_kwarg(monkeypatch, name: str, kwarg: str) -> list:
+    """The ``kwarg`` of every call into the named public deltafuse op (None where a call does not pass it), in
+    call order (the adapters look the ops up at call time)."""
+    import deltafuse.ops
+
+    seen = []
+    real = getattr(deltafuse.ops, name)
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get(kwarg))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(deltafuse.ops, name, recording)
+    return seen

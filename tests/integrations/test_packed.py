@@ -7,6 +7,8 @@ compared with per-sequence stock runs (stock itself leaks state across packed se
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -16,7 +18,8 @@ from deltafuse.integrations.transformers import adapters
 from deltafuse.integrations.transformers import boundaries as bd
 from deltafuse.models import TINY_NAMES, build_model
 from deltafuse.ops import causal_conv1d_fn, chunk_gated_delta_rule
-from tests.integrations import (RTOL, assert_grads_close, grads, packed_inputs, per_sequence_stock, rel_max)
+from tests.integrations import (RTOL, assert_grads_close, grads, packed_inputs, per_sequence_stock, rel_max,
+                                record_op_kwarg)
 
 
 
@@ -47,6 +50,26 @@ def _run_packed(model, rows, source):
     return out.loss.detach(), logits.detach(), grads(model)
 
 
+class _Reference(NamedTuple):
+    loss: torch.Tensor
+    logits: torch.Tensor
+    grads: dict
+
+
+def _stock_reference(model, rows) -> _Reference:
+    """Loss, logits and gradients of the stock model on each sequence alone (``per_sequence_stock``)."""
+    model.zero_grad(set_to_none=True)
+    loss, logits = per_sequence_stock(model, rows)
+    return _Reference(loss, logits, grads(model))
+
+
+def _assert_matches(loss, logits, got_grads, reference):
+    """Logits, loss and every gradient equal the per-sequence stock ones (``_stock_reference``) within RTOL."""
+    assert rel_max(logits, reference.logits) < RTOL
+    assert abs(loss.item() - reference.loss.item()) <= RTOL * abs(reference.loss.item())
+    assert_grads_close(got_grads, reference.grads)
+
+
 def _logits(model, out, kwargs):
     """The logits of a call; with the fused loss (no logits when training) those of an evaluation call."""
     if out.logits is not None:
@@ -72,13 +95,9 @@ CASES = [
 def test_packed_equals_per_sequence_stock(source, lengths):
     model = build_model("tiny", seed=3).train()
     rows = _rows(lengths, model.config.vocab_size, seed=len(source) + sum(map(sum, lengths)))
-    model.zero_grad(set_to_none=True)
-    ref_loss, ref_logits = per_sequence_stock(model, rows)
-    ref_grads = grads(model)
+    reference = _stock_reference(model, rows)
     loss, logits, got = _run_packed(model, rows, source)
-    assert rel_max(logits, ref_logits) < RTOL
-    assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
-    assert_grads_close(got, ref_grads)
+    _assert_matches(loss, logits, got, reference)
 
 
 def test_stock_leaks_where_deltafuse_does_not():
@@ -101,26 +120,18 @@ def test_packed_with_eager_attention():
     model = build_model("tiny", seed=10, attn_implementation="eager").train()
     assert model.config._attn_implementation == "eager"
     rows = _rows([[8, 1, 13], [15, 7]], model.config.vocab_size, seed=11)
-    model.zero_grad(set_to_none=True)
-    ref_loss, ref_logits = per_sequence_stock(model, rows)
-    ref_grads = grads(model)
+    reference = _stock_reference(model, rows)
     loss, logits, got = _run_packed(model, rows, "position_ids")
-    assert rel_max(logits, ref_logits) < RTOL
-    assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
-    assert_grads_close(got, ref_grads)
+    _assert_matches(loss, logits, got, reference)
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-next"])
 def test_packed_other_families(name):
     model = build_model(name, seed=6).train()
     rows = _rows([[11, 1, 16], [20, 8]], model.config.vocab_size, seed=7)
-    model.zero_grad(set_to_none=True)
-    ref_loss, ref_logits = per_sequence_stock(model, rows)
-    ref_grads = grads(model)
+    reference = _stock_reference(model, rows)
     loss, logits, got = _run_packed(model, rows, "position_ids")
-    assert rel_max(logits, ref_logits) < RTOL
-    assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
-    assert_grads_close(got, ref_grads)
+    _assert_matches(loss, logits, got, reference)
 
 
 # --- which position_ids and masks mark boundaries ----------------------------------------------------------
@@ -152,20 +163,16 @@ def test_restarting_positions_mark_boundaries(name, layout):
     rows = _rows([[10, 1, 15], [19, 7]], model.config.vocab_size, seed=22)
     ids, pos, labels, _, _ = packed_inputs(rows)
     kwargs = _layout_kwargs(layout, ids, pos)
-    model.zero_grad(set_to_none=True)
-    ref_loss, ref_logits = per_sequence_stock(model, rows)
-    ref_grads = grads(model)
+    reference = _stock_reference(model, rows)
     with torch.no_grad():
         stock = model(**kwargs, use_cache=False).logits
-    assert rel_max(stock, ref_logits) > 1e-3, "stock mixes these sequences: the comparison below can fail"
+    assert rel_max(stock, reference.logits) > 1e-3, "stock mixes these sequences: the comparison below can fail"
     model.zero_grad(set_to_none=True)
     with patching.patched(model):
         out = model(**kwargs, labels=labels)
         out.loss.backward()
         logits = _logits(model, out, kwargs)
-    assert rel_max(logits, ref_logits) < RTOL
-    assert abs(out.loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
-    assert_grads_close(grads(model), ref_grads)
+    _assert_matches(out.loss, logits, grads(model), reference)
 
 
 def test_full_attention_alone_is_block_causal():
@@ -220,17 +227,8 @@ def test_packed_with_gradient_checkpointing(monkeypatch, reentrant):
     """Boundaries travel in the layers' kwargs, so the recomputation in backward sees the same ones."""
     model = build_model("tiny", seed=8).train()
     rows = _rows([[14, 1, 9], [6, 18]], model.config.vocab_size, seed=9)
-    model.zero_grad(set_to_none=True)
-    ref_loss, ref_logits = per_sequence_stock(model, rows)
-    ref_grads = grads(model)
-    calls = []
-    original = adapters.ops.chunk_gated_delta_rule
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("cu_seqlens"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(adapters.ops, "chunk_gated_delta_rule", spy)
+    reference = _stock_reference(model, rows)
+    calls = record_op_kwarg(monkeypatch, "chunk_gated_delta_rule", "cu_seqlens")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     try:
         loss, logits, got = _run_packed(model, rows, "position_ids")
@@ -241,9 +239,7 @@ def test_packed_with_gradient_checkpointing(monkeypatch, reentrant):
     assert len(calls) == 3 * n_gdn, "every GDN layer runs again in backward (checkpointed)"
     assert all(c is not None and c.tolist() == [0, 14, 15, 24, 30, 48] for c in calls), \
         "the recomputation got the same packed boundaries"
-    assert rel_max(logits, ref_logits) < RTOL
-    assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
-    assert_grads_close(got, ref_grads)
+    _assert_matches(loss, logits, got, reference)
 
 
 # --- packing helpers and op adapters ----------------------------------------------------------------
@@ -352,14 +348,10 @@ def test_transformers_padding_free_collator(flash_kwargs, seq_idx):
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs, return_seq_idx=seq_idx)
     batch = collator([{"input_ids": s.tolist()} for s in rows[0]])
     assert ("cu_seq_lens_q" in batch) == flash_kwargs and ("seq_idx" in batch) == seq_idx
-    model.zero_grad(set_to_none=True)
-    ref_loss, ref_logits = per_sequence_stock(model, rows)
-    ref_grads = grads(model)
+    reference = _stock_reference(model, rows)
     model.zero_grad(set_to_none=True)
     with patching.patched(model):
         out = model(**batch)
         out.loss.backward()
         logits = _logits(model, out, batch)
-    assert rel_max(logits, ref_logits) < RTOL
-    assert abs(out.loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
-    assert_grads_close(grads(model), ref_grads)
+    _assert_matches(out.loss, logits, grads(model), reference)

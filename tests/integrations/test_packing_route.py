@@ -16,7 +16,7 @@ from deltafuse import ops
 from deltafuse.integrations.transformers import adapters
 from deltafuse.integrations.transformers import boundaries as bd
 from deltafuse.integrations.transformers import packing as pk
-from tests.integrations import rel_max
+from tests.integrations import record_op_kwarg, rel_max
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
@@ -109,14 +109,7 @@ def test_checkpoint_recomputation_gets_the_boundaries_again(wrapped, monkeypatch
     packing, _ = _packing()
     layer = OldDecoderLayer(OldGDN())
     x = _hidden(3)
-    seen = []
-    original = adapters.ops.chunk_gated_delta_rule
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("cu_seqlens"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(adapters.ops, "chunk_gated_delta_rule", spy)
+    seen = record_op_kwarg(monkeypatch, "chunk_gated_delta_rule", "cu_seqlens")
     kw = {pk.PACKING_KWARG: packing}
     ref = layer(x, **kw)
     ref.square().sum().backward()

@@ -20,7 +20,9 @@ from deltafuse.backends.registry import CallInfo, Registry
 from deltafuse.models import TINY_NAMES
 from deltafuse.ops.cross_entropy import driver
 from deltafuse.ops.cross_entropy.naive import naive_linear_cross_entropy
-from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, rel_rms, triton_kernel_module,
+)
 
 OP = ce_backends.FUSED_LINEAR_CROSS_ENTROPY
 
@@ -32,12 +34,7 @@ def _api():
 
 
 def _kernel():
-    triton = pytest.importorskip("triton")
-    from deltafuse.ops.cross_entropy import kernel
-
-    if DEVICE == "cpu" and not isinstance(kernel._ce_chunk_kernel, triton.runtime.interpreter.InterpretedFunction):
-        pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)")
-    return kernel
+    return triton_kernel_module("deltafuse.ops.cross_entropy.kernel", "_ce_chunk_kernel")
 
 
 def _inputs(B, T, H, V, *, bias=False, dtype=torch.float32, device=DEVICE, seed=0, scale=1.0):

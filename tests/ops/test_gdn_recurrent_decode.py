@@ -105,23 +105,25 @@ def _hf_layout(B, T, H, HV, K, V, seed=None):
     return dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0)
 
 
-def test_strided_inputs_as_transformers_passes_them():
-    xs = _hf_layout(3, 2, 2, 4, 16, 16)
-    o, ht = fused_recurrent_gated_delta_rule_triton(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], 0.25, xs["h0"],
-                                                    True, True)
+def _assert_kernel_gives_the_oracle(xs, q):
+    """The kernel on ``q`` (the same values as xs["q"], in another layout) and the rest of ``xs`` (scale 0.25, with
+    the final state and the in-kernel l2 norm) matches the oracle on ``xs``."""
+    o, ht = fused_recurrent_gated_delta_rule_triton(q, xs["k"], xs["v"], xs["g"], xs["beta"], 0.25, xs["h0"], True,
+                                                    True)
     ro, rh = oracle(xs, 0.25, True)
     assert_rel_close(o, ro, TOL, "o")
     assert_rel_close(ht, rh, TOL, "final state")
+
+
+def test_strided_inputs_as_transformers_passes_them():
+    xs = _hf_layout(3, 2, 2, 4, 16, 16)
+    _assert_kernel_gives_the_oracle(xs, xs["q"])
 
 
 def test_inner_dimension_not_dense_is_copied_and_still_right():
     xs = make(2, 1, 2, 2, 16, 16)
     q_t = xs["q"].transpose(-1, -2).contiguous().transpose(-1, -2)  # stride 1 on heads, not on K
-    o, ht = fused_recurrent_gated_delta_rule_triton(q_t, xs["k"], xs["v"], xs["g"], xs["beta"], 0.25, xs["h0"],
-                                                    True, True)
-    ro, rh = oracle(xs, 0.25, True)
-    assert_rel_close(o, ro, TOL, "o")
-    assert_rel_close(ht, rh, TOL, "final state")
+    _assert_kernel_gives_the_oracle(xs, q_t)
 
 
 def test_inplace_final_state_overwrites_the_initial_state():

@@ -245,6 +245,17 @@ def _run_block(block, impl, x):
     return out.detach(), xl.grad.detach(), grads
 
 
+def _run_experts(mod, impl, x, idx, w, grad_of):
+    """Output and gradients (dx, dw, d gate_up_proj, d down_proj) of an experts module run under ``impl``, its
+    output gradient ``grad_of(out)``."""
+    mod.config._experts_implementation = impl
+    mod.zero_grad(set_to_none=True)
+    xl, wl = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = mod(xl, idx, wl)
+    out.backward(grad_of(out))
+    return out.detach(), xl.grad, wl.grad, mod.gate_up_proj.grad, mod.down_proj.grad
+
+
 @pytest.mark.parametrize("stock", ["eager", "grouped_mm"])
 def test_sparse_moe_block_equals_transformers(registered, stock):
     """Whole sparse MoE block (router softmax/top-k/renormalise, experts, shared expert): output, input gradient
@@ -273,14 +284,8 @@ def test_experts_module_equals_transformers_with_unused_experts(registered):
     with torch.no_grad():
         mod.gate_up_proj.copy_(gu)
         mod.down_proj.copy_(dn)
-    results = {}
-    for impl in ("eager", registered):
-        mod.config._experts_implementation = impl
-        mod.zero_grad(set_to_none=True)
-        xl, wl = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        out = mod(xl, idx, wl)
-        out.backward(torch.cos(out.detach()))
-        results[impl] = (out.detach(), xl.grad, wl.grad, mod.gate_up_proj.grad, mod.down_proj.grad)
+    results = {impl: _run_experts(mod, impl, x, idx, w, lambda out: torch.cos(out.detach()))
+               for impl in ("eager", registered)}
     for a, b, name in zip(results[registered], results["eager"], ("out", "dx", "dw", "dgate_up", "ddown")):
         assert_rel_close(a, b, 2e-6, name)
     # eager leaves unused experts without gradient contributions: zero rows there
@@ -355,14 +360,7 @@ def test_gpu_bf16_matches_transformers_grouped_mm(registered):
     with torch.no_grad():
         mod.gate_up_proj.copy_(gu)
         mod.down_proj.copy_(dn)
-    res = {}
-    for impl in ("grouped_mm", registered):
-        mod.config._experts_implementation = impl
-        mod.zero_grad(set_to_none=True)
-        xl, wl = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        out = mod(xl, idx, wl)
-        out.backward(torch.ones_like(out))
-        res[impl] = (out.detach(), xl.grad, wl.grad, mod.gate_up_proj.grad, mod.down_proj.grad)
+    res = {impl: _run_experts(mod, impl, x, idx, w, torch.ones_like) for impl in ("grouped_mm", registered)}
     for a, b, name in zip(res[registered], res["grouped_mm"], ("out", "dx", "dw", "dgate_up", "ddown")):
         assert rel_rms(a, b) < 2e-2, f"{name}: {rel_rms(a, b):.2e}"
     assert torch.equal(res[registered][3][200:], torch.zeros_like(res[registered][3][200:]))
@@ -406,10 +404,9 @@ def test_swiglu_inside_uses_the_triton_kernel_when_forced():
 
 
 # --- Ascend NPU route with a stand-in torch_npu (npu_grouped_matmul) ---------------------------------------
-import sys  # noqa: E402
 import types  # noqa: E402
 
-from tests.helpers import npu_device  # noqa: E402
+from tests.helpers import npu_device, npu_registry  # noqa: E402
 
 
 def _fake_torch_npu(calls, with_gmm=True):
@@ -456,9 +453,7 @@ def _fake_torch_npu(calls, with_gmm=True):
 
 
 def _npu_impl(monkeypatch, calls):
-    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
-    reg = Registry()
-    moe_backends.register(reg)
+    reg = npu_registry(monkeypatch, _fake_torch_npu(calls), moe_backends.register)
     return reg.select(OP, CallInfo(npu_device(), torch.bfloat16, True))
 
 
@@ -466,9 +461,7 @@ def test_npu_route_selection(monkeypatch):
     from deltafuse import backends
 
     assert [c.name for c in backends.REGISTRY.candidates(OP)][:2] == ["npu", "torch"]
-    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu([]))
-    reg = Registry()
-    moe_backends.register(reg)
+    reg = npu_registry(monkeypatch, _fake_torch_npu([]), moe_backends.register)
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         rows = {d.candidate: d for d in reg.explain(OP, CallInfo(npu_device(), dt, True))}
         assert rows["npu"].chosen and rows["npu"].verified is False and not rows["torch"].chosen
@@ -483,14 +476,10 @@ def test_npu_route_selection(monkeypatch):
 
 def test_npu_route_unavailable_without_torch_npu_or_grouped_matmul(monkeypatch):
     npu = CallInfo(npu_device(), torch.bfloat16, True)
-    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
-    reg = Registry()
-    moe_backends.register(reg)
+    reg = npu_registry(monkeypatch, None, moe_backends.register)  # import torch_npu raises ImportError
     rows = {d.candidate: d for d in reg.explain(OP, npu)}
     assert rows["torch"].chosen and "torch_npu does not import" in rows["npu"].reason
-    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu([], with_gmm=False))
-    reg = Registry()
-    moe_backends.register(reg)
+    reg = npu_registry(monkeypatch, _fake_torch_npu([], with_gmm=False), moe_backends.register)
     rows = {d.candidate: d for d in reg.explain(OP, npu)}
     assert rows["torch"].chosen and "torch_npu has no npu_grouped_matmul" in rows["npu"].reason
 

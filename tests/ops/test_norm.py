@@ -19,18 +19,14 @@ from deltafuse.ops.norm import api  # noqa: E402
 from deltafuse.ops.norm.naive import naive_rms_norm_gated, naive_rms_norm_zero_centered  # noqa: E402
 from deltafuse.ops.norm.reference import rms_norm_gated_torch, rms_norm_zero_centered_torch  # noqa: E402
 from tests.helpers import (  # noqa: E402
-    DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, npu_device, rel_rms,
+    DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, npu_device, npu_registry, rel_rms,
+    triton_kernel_module,
 )
 
 
 
 def _kernel():
-    triton = pytest.importorskip("triton")
-    from deltafuse.ops.norm import kernel
-
-    if DEVICE == "cpu" and not isinstance(kernel._rms_fwd_kernel, triton.runtime.interpreter.InterpretedFunction):
-        pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)")
-    return kernel
+    return triton_kernel_module("deltafuse.ops.norm.kernel", "_rms_fwd_kernel")
 
 
 def _leaf(t, device=DEVICE, dtype=torch.float32):
@@ -239,9 +235,7 @@ def _fake_torch_npu(calls):
 
 def test_npu_route_selection_and_argument_mapping(monkeypatch):
     calls = []
-    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
-    reg = Registry()
-    norm_backends.register(reg)
+    reg = npu_registry(monkeypatch, _fake_torch_npu(calls), norm_backends.register)
     npu = CallInfo(npu_device(), torch.bfloat16, True)
     rows = {d.candidate: d for d in reg.explain(api.RMS_NORM, npu)}
     assert rows["npu"].chosen and rows["npu"].verified is False
@@ -274,9 +268,7 @@ def test_npu_route_selection_and_argument_mapping(monkeypatch):
 
 
 def test_npu_route_unavailable_without_torch_npu(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
-    reg = Registry()
-    norm_backends.register(reg)
+    reg = npu_registry(monkeypatch, None, norm_backends.register)  # import torch_npu raises ImportError
     rows = {d.candidate: d for d in reg.explain(api.RMS_NORM, CallInfo(npu_device(), torch.bfloat16,
                                                                       True))}
     assert rows["torch"].chosen and "torch_npu does not import" in rows["npu"].reason

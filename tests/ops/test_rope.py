@@ -6,30 +6,24 @@ CUDA: bf16 at Qwen3.5-35B-A3B sizes (16 q heads, 2 kv heads, head_dim 256, rotar
 
 from __future__ import annotations
 
-import sys
 import types
 
 import pytest
 import torch
 
 from deltafuse.ops.rope import candidates as rope_backends  # noqa: E402
-from deltafuse.backends.registry import CallInfo, Registry  # noqa: E402
+from deltafuse.backends.registry import CallInfo  # noqa: E402
 from deltafuse.ops.rope import api  # noqa: E402
 from deltafuse.ops.rope.naive import naive_rotary  # noqa: E402
 from deltafuse.ops.rope.reference import apply_rotary_pos_emb_torch  # noqa: E402
 from tests.helpers import (  # noqa: E402
-    DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, npu_device, rel_rms,
+    DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, npu_route, rel_rms, triton_kernel_module,
 )
 
 
 
 def _kernel():
-    triton = pytest.importorskip("triton")
-    from deltafuse.ops.rope import kernel
-
-    if DEVICE == "cpu" and not isinstance(kernel._rope_kernel, triton.runtime.interpreter.InterpretedFunction):
-        pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)")
-    return kernel
+    return triton_kernel_module("deltafuse.ops.rope.kernel", "_rope_kernel")
 
 
 def cos_sin(B, T, rd, start=0, base=10000.0, dtype=torch.float32, device=DEVICE, batch_cos=True):
@@ -233,13 +227,7 @@ def test_npu_route_selection_and_argument_mapping(monkeypatch):
         return r1 * x + r2 * torch.cat((-x2, x1), dim=-1)
 
     fake.npu_rotary_mul = npu_rotary_mul
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    reg = Registry()
-    rope_backends.register(reg)
-    call = CallInfo(npu_device(), torch.bfloat16, True)
-    rows = {d.candidate: d for d in reg.explain(api.ROPE, call)}
-    assert rows["npu"].chosen and rows["npu"].verified is False and rows["triton"].reason
-    impl = reg.select(api.ROPE, call)
+    reg, impl = npu_route(monkeypatch, fake, rope_backends.register, api.ROPE)
     q, k = qk(2, 4, 2, 5, 32, 1, device="cpu")
     cos, sin = cos_sin(2, 5, 8, device="cpu")
     q.requires_grad_()

@@ -6,31 +6,24 @@ CUDA: bf16 at Qwen3.5-35B-A3B sizes (moe intermediate 512, shared expert 512, 40
 
 from __future__ import annotations
 
-import sys
 import types
 
 import pytest
 import torch
 
 from deltafuse.ops.swiglu import candidates as swiglu_backends  # noqa: E402
-from deltafuse.backends.registry import CallInfo, Registry  # noqa: E402
+from deltafuse.backends.registry import CallInfo  # noqa: E402
 from deltafuse.ops.swiglu import api  # noqa: E402
 from deltafuse.ops.swiglu.naive import naive_swiglu  # noqa: E402
 from deltafuse.ops.swiglu.reference import swiglu_torch  # noqa: E402
 from tests.helpers import (  # noqa: E402
-    DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, npu_device, rel_rms,
+    DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, npu_route, rel_rms, triton_kernel_module,
 )
 
 
 
 def _kernel():
-    triton = pytest.importorskip("triton")
-    from deltafuse.ops.swiglu import kernel
-
-    if DEVICE == "cpu" and not isinstance(kernel._swiglu_fwd_kernel,
-                                          triton.runtime.interpreter.InterpretedFunction):
-        pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)")
-    return kernel
+    return triton_kernel_module("deltafuse.ops.swiglu.kernel", "_swiglu_fwd_kernel")
 
 
 def _check(fn, gate, up, tol):
@@ -138,13 +131,7 @@ def test_npu_route_selection_and_argument_mapping(monkeypatch):
         return torch.nn.functional.silu(a) * b
 
     fake.npu_swiglu = npu_swiglu
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    reg = Registry()
-    swiglu_backends.register(reg)
-    call = CallInfo(npu_device(), torch.bfloat16, True)
-    rows = {d.candidate: d for d in reg.explain(api.SWIGLU, call)}
-    assert rows["npu"].chosen and rows["npu"].verified is False and rows["triton"].reason
-    impl = reg.select(api.SWIGLU, call)
+    reg, impl = npu_route(monkeypatch, fake, swiglu_backends.register, api.SWIGLU)
     g = torch.randn(4, 6, requires_grad=True)
     u = torch.randn(4, 6, requires_grad=True)
     y = impl(g, u)

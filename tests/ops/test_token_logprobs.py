@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from deltafuse.ops.cross_entropy.naive import naive_token_logprobs
-from tests.helpers import DEVICE, assert_rel_close, gpu, needs_cuda, rel_rms
+from tests.helpers import DEVICE, assert_rel_close, gpu, needs_cuda, rel_rms, triton_kernel_module
 
 ALL = ("log_probs", "entropy", "is_top1")
 
@@ -28,11 +28,7 @@ def _op():
 
 def _backend(name):
     if name == "triton":
-        triton = pytest.importorskip("triton")
-        from deltafuse.ops.cross_entropy import kernel
-
-        if DEVICE == "cpu" and not isinstance(kernel._tok_online_kernel, triton.runtime.interpreter.InterpretedFunction):
-            pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)")
+        triton_kernel_module("deltafuse.ops.cross_entropy.kernel", "_tok_online_kernel")
     return name
 
 

@@ -132,11 +132,13 @@ def test_deltafuse_flag_against_env_master_switch(monkeypatch, capsys, out):
     (["--lr", "-1"], "argument --lr: '-1' is not allowed; allowed: a finite number > 0"),
     (["--batch-size", "0"], "argument --batch-size: 0 is too small"),
     (["--log-every", "0"], "argument --log-every: 0 is too small"),
-    (["--lora-dropout", "1.5"], "argument --lora-dropout: 1.5 is not allowed; allowed: 0 <= p < 1"),
+    (["--lora-dropout", "1.5"], "argument --lora-dropout: '1.5' is not allowed; allowed: 0 <= p < 1"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["--lora", "--full"], "argument --full: not allowed with argument --lora"),
-    (["--save-minutes", "-1"], "argument --save-minutes: -1 is not allowed; allowed: a finite number of minutes >= 0"),
-    (["--save-minutes", "soon"], "argument --save-minutes: 'soon' is not a number; allowed: minutes >= 0 (0: off)"),
+    (["--save-minutes", "-1"],
+     "argument --save-minutes: '-1' is not allowed; allowed: a finite number of minutes >= 0 (0: off)"),
+    (["--save-minutes", "soon"],
+     "argument --save-minutes: 'soon' is not a number; allowed: a finite number of minutes >= 0 (0: off)"),
 ])
 def test_bad_flag_values_name_the_argument(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

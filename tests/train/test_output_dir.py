@@ -309,3 +309,16 @@ def test_ctrl_c_in_a_new_run_keeps_its_checkpoints_and_resume_continues(tmp_path
     assert [r["step"] for r in got] == [1, 2]
     for a, b in zip(got, original):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+
+
+@pytest.mark.parametrize("text, reason", [("[]", "not a JSON object"), ("{", "Expecting property name")])
+def test_resume_from_a_run_whose_settings_cannot_be_read_is_one_line(tmp_path, text, reason):
+    import argparse
+
+    from deltafuse.train.errors import TrainInputError
+
+    (tmp_path / "train_args.json").write_text(text)
+    plan = outdir.OutputPlan(str(tmp_path), resume_from="checkpoint-1", resume_step=1, source_run=str(tmp_path))
+    with pytest.raises(TrainInputError, match=r"^--resume 'checkpoint-1': .*train_args.json \(the settings of its "
+                                              rf"run\) cannot be read \({reason}"):
+        outdir.check_resume_compatible(argparse.Namespace(max_steps=5), plan)

@@ -106,38 +106,34 @@ def test_tiny_moe_with_expert_lora_and_no_packing(tmp_path):
     assert summary(out)["packing"] is False
 
 
-def test_ddp_with_two_cpu_processes(tmp_path):
-    """torchrun with 2 gloo processes: the Trainer wraps the model in DistributedDataParallel."""
-    out = str(tmp_path / "ddp")
+def _assert_two_process_ddp_run(launcher: list[str], out: str) -> None:
+    """``python -m <launcher> -m deltafuse.train`` for 2 steps: both processes train one model that the Trainer
+    wraps in DistributedDataParallel."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "deltafuse.train", "--max-steps", "2", "--seq-len", "256", "--num-examples", "20",
-                           "--output-dir", out, "--no-progress"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", *launcher, "-m", "deltafuse.train", "--max-steps", "2", "--seq-len",
+                           "256", "--num-examples", "20", "--output-dir", out, "--no-progress"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = summary(out)
     assert s["world_size"] == 2 and s["wrapped_model"] == "DistributedDataParallel"
     assert len(records(out)) == 2
+
+
+def test_ddp_with_two_cpu_processes(tmp_path):
+    """torchrun with 2 gloo processes: the Trainer wraps the model in DistributedDataParallel."""
+    _assert_two_process_ddp_run(["torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+                                str(tmp_path / "ddp"))
 
 
 def test_accelerate_launch_with_two_cpu_processes(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on a CPU machine (gloo): the same DDP run."""
     pytest.importorskip("accelerate")
-    out = str(tmp_path / "acc")
-    env = dict(os.environ, PYTHONPATH=ROOT)
     with socket.socket() as sock:  # a free port: another run of the suite may be launching at the same time
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                           "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no",
-                           "--dynamo_backend", "no",
-                           "-m", "deltafuse.train", "--max-steps", "2", "--seq-len", "256", "--num-examples", "20",
-                           "--output-dir", out, "--no-progress"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    s = summary(out)
-    assert s["world_size"] == 2 and s["wrapped_model"] == "DistributedDataParallel"
-    assert len(records(out)) == 2
+    _assert_two_process_ddp_run(["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                                 "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no",
+                                 "--dynamo_backend", "no"], str(tmp_path / "acc"))
 
 
 def test_library_call_reports_through_logging_not_stdout(tmp_path, capsys, caplog):

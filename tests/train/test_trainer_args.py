@@ -204,3 +204,16 @@ def test_fsdp_wraps_the_decoder_layers_the_model_has(tmp_path, family, layer):
     args = _parsed(["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard", "--fsdp_config", str(named)])
     targs = training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=layers)
     assert targs.fsdp_config["transformer_layer_cls_to_wrap"] == ["Something"]  # the user's choice stands
+
+
+@pytest.mark.parametrize("text, reason", [("[1, 2]", "not a JSON object"), ("{", "Expecting property name")])
+def test_an_fsdp_config_that_is_no_json_object_is_one_line(tmp_path, text, reason):
+    from deltafuse.train.errors import TrainInputError
+    from deltafuse.train.trainargs import training_arguments
+
+    cfg = tmp_path / "fsdp.json"
+    cfg.write_text(text)
+    args = _parsed(["--output-dir", str(tmp_path / "o"), "--fsdp", "full_shard", "--fsdp_config", str(cfg)])
+    with pytest.raises(TrainInputError, match=rf"^--fsdp_config '.*fsdp.json': cannot be read as a JSON object "
+                                              rf"\({reason}"):
+        training_arguments(args, "cpu", torch.float32, evaluating=False, fsdp_layers=["Qwen3_5DecoderLayer"])

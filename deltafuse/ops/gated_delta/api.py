@@ -93,6 +93,18 @@ def _wider(q, k, v):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _op_inputs(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs, backend, use_gate_in_kernel, A_log,
+               dt_bias, use_beta_sigmoid_in_kernel):
+    """A public call's arguments checked (``backend=`` too, for ``op``) and made what its op takes: (q, k, v in the
+    wider dtype, g and beta after FLA's gate options, the scale as a float)."""
+    scale = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
+    if backend is not None:
+        backends.call_backend(op, backend)
+    g, beta = _gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    q, k, v = _wider(q, k, v)
+    return q, k, v, g, beta, scale
+
+
 @check.public_op(CHUNK)
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, scale: float | None = None,
@@ -111,12 +123,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     ``use_gate_in_kernel`` (with ``A_log``, ``dt_bias``) and ``use_beta_sigmoid_in_kernel``: FLA's options, g and
     beta then raw (see ``_gates``). v may have another dtype than q/k (computed in the wider one).
     """
-    scale = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
-    if backend is not None:
-        backends.call_backend(CHUNK, backend)
     out_dtype = q.dtype
-    g, beta = _gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
-    q, k, v = _wider(q, k, v)
+    q, k, v, g, beta, scale = _op_inputs(CHUNK, q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs, backend,
+                                         use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     o, final, _ = _chunk_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
                       bool(use_qk_l2norm_in_kernel), backend, _library.grad_mask(q, k, v, g, beta, initial_state),
                       torch.compiler.is_compiling())
@@ -138,12 +147,9 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     ``inplace_final_state=True`` (inference, with ``output_final_state`` and a contiguous fp32
     ``initial_state``): the final state is written over ``initial_state`` and that tensor is returned, as a
     decoding cache that replaces its state wants (the Triton kernel writes it in place; other backends copy)."""
-    scale = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
-    if backend is not None:
-        backends.call_backend(RECURRENT, backend)
     out_dtype = q.dtype
-    g, beta = _gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
-    q, k, v = _wider(q, k, v)
+    q, k, v, g, beta, scale = _op_inputs(RECURRENT, q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs,
+                                         backend, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     mask = _library.grad_mask(q, k, v, g, beta, initial_state)
     inplace = bool(inplace_final_state) and bool(output_final_state)
     if inplace:

@@ -102,24 +102,14 @@ class ChunkOptions:
     intra_prod: str = "x2"
 
     def __post_init__(self):
-        for name in ("fwd_store", "bwd_store"):
-            if getattr(self, name) not in ("input", "fp32"):
-                raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: 'input', 'fp32'")
-        if self.intra_inv not in INV_MODES:
-            raise ValueError(f"ChunkOptions.intra_inv={self.intra_inv!r}; allowed: "
-                             + ", ".join(repr(m) for m in INV_MODES))
-        if self.intra_prod not in ("x2", "16"):
-            raise ValueError(f"ChunkOptions.intra_prod={self.intra_prod!r}; allowed: 'x2', '16'")
-        if self.bwd_partials not in ("input", "fp32"):
-            raise ValueError(f"ChunkOptions.bwd_partials={self.bwd_partials!r}; allowed: 'input', 'fp32'")
+        for name, allowed in _CHOICES:
+            self._check_choice(name, allowed)
         if self.fwd_prod_qh == "16":
             # q times an fp32 state rounded to 16 bits in registers gave NaN outputs on an H200 with Triton 3.6
             raise ValueError("ChunkOptions.fwd_prod_qh='16' is refused (NaN outputs on the H200 with Triton 3.6, "
                              "BENCHMARKS.md#gdn-v2-combined); allowed: 'x2', 'tf32'")
-        for name in ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo"):
-            if getattr(self, name) not in PROD_MODES:
-                raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: "
-                                 + ", ".join(repr(m) for m in PROD_MODES))
+        for name in _PRODUCTS:
+            self._check_choice(name, PROD_MODES)
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type != "int":
@@ -130,7 +120,16 @@ class ChunkOptions:
                 raise ValueError(f"ChunkOptions.{f.name}={value!r}; allowed: a power of two (a tile width or a "
                                  "warp count)")
 
+    def _check_choice(self, name: str, allowed) -> None:
+        if getattr(self, name) not in allowed:
+            raise ValueError(f"ChunkOptions.{name}={getattr(self, name)!r}; allowed: "
+                             + ", ".join(repr(m) for m in allowed))
 
+
+# the string fields and the values each takes, in the order they are checked; then the product modes
+_CHOICES = (("fwd_store", ("input", "fp32")), ("bwd_store", ("input", "fp32")), ("intra_inv", INV_MODES),
+            ("intra_prod", ("x2", "16")), ("bwd_partials", ("input", "fp32")))
+_PRODUCTS = ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo")
 DEFAULT_OPTIONS = ChunkOptions()
 # (options, stage hook) of calls that pass none: the defaults and no hook, except inside a ``configured`` block
 _DEFAULTS: contextvars.ContextVar[tuple[ChunkOptions, StageHook | None]] = contextvars.ContextVar(

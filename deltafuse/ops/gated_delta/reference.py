@@ -267,6 +267,17 @@ def _finish(outs, final, sched, flat, B, T, H, G, V, HV, K, out_dtype):
     return o, None if final is None else final.reshape(-1, HV, K, V)
 
 
+def _gated_delta(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                 block, make_step):
+    """Both public functions: the schedule of ``block``-token blocks run with ``make_step`` (see :func:`_run`),
+    outputs and final states back in the public layouts."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    sched, flat, state, _ = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, block)
+    outs, final = _run(sched, flat, state, make_step, output_final_state)
+    return _finish(outs, final, sched, flat, B, T, H, HV // H, V, HV, K, q.dtype)
+
+
 def _chunk_step(qb, kb, vb, gb, bb, scale):
     """Intra-block precomputation for blocks of C tokens (the chunk formulation in the docstring of
     :func:`chunk_gated_delta_rule_torch`); returns the scan step over a slice of blocks.
@@ -357,13 +368,8 @@ def chunk_gated_delta_rule_torch(
     and dg keeps its relative accuracy there. A sequence's last L mod 64 tokens form a shorter chunk
     (the next power of two), so short sequences cost about what their tokens cost.
     """
-    B, T, H, K = q.shape
-    HV, V = v.shape[-2:]
-    G = HV // H
-    sched, flat, state, dtype = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                                         CHUNK_SIZE)
-    outs, final = _run(sched, flat, state, lambda blocks: _chunk_step(*blocks, scale), output_final_state)
-    return _finish(outs, final, sched, flat, B, T, H, G, V, HV, K, q.dtype)
+    return _gated_delta(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                        CHUNK_SIZE, lambda blocks: _chunk_step(*blocks, scale))
 
 
 def _recurrent_step(qb, kb, vb, gb, bb, scale):
@@ -400,10 +406,5 @@ def fused_recurrent_gated_delta_rule_torch(
     Per token: S = exp(g) S; S = S + k (beta (v - S^T k))^T; o = S^T (scale q). The loop runs
     max(sequence length) steps, each over the sequences still running.
     """
-    B, T, H, K = q.shape
-    HV, V = v.shape[-2:]
-    G = HV // H
-    sched, flat, state, dtype = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, 1)
-    outs, final = _run(sched, flat, state, lambda blocks: _recurrent_step(*blocks, scale),
-                       output_final_state)
-    return _finish(outs, final, sched, flat, B, T, H, G, V, HV, K, q.dtype)
+    return _gated_delta(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                        1, lambda blocks: _recurrent_step(*blocks, scale))

@@ -238,6 +238,7 @@ def _imports_of(argv: list[str], heavy: tuple[str, ...]) -> tuple[int, list[str]
     (["bench", "e2e", "--max-steps", "0"], "argument --max-steps: 0 is too small"),
     (["bench", "e2e", "--bogus"], "deltafuse bench e2e: error: unrecognized arguments: --bogus"),
     (["verify", "--model", "nope"], "--model 'nope' is neither a known name (tiny,"),
+    (["train", "--model", "nope"], "--model 'nope' is neither a known model name nor a directory"),
     (["verify", "--rtol", "nan"], "argument --rtol: 'nan' is not allowed"),
     (["info", "--bogus"], "deltafuse info: error: unrecognized arguments: --bogus"),
     (["bogus"], "invalid choice: 'bogus'"),

@@ -187,6 +187,9 @@ def run(args) -> int:
     from deltafuse.config import SettingsError
 
     try:
+        from deltafuse.train.modelarg import check_model_arg
+
+        check_model_arg(args.model)  # a name is checked before torch and transformers are imported
         from deltafuse.train.trainer import train
 
         with _report_on_stdout():

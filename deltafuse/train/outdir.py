@@ -92,7 +92,7 @@ def _safetensors_problem(path: str) -> str | None:
     return None
 
 
-def _weights_problem(path: str, files: list[str]) -> str | None:
+def weights_problem(path: str, files: list[str]) -> str | None:
     for name in files:
         full = os.path.join(path, name)
         if name.endswith(".safetensors"):
@@ -151,7 +151,7 @@ def check_checkpoint(path: str, mode: str) -> int:
                                   "saved by a LoRA run: resume it without --full")
         raise TrainInputError(f"{flag} has no model weights ({' or '.join(MODEL_WEIGHTS)}); the checkpoint is "
                               "incomplete; resume from another checkpoint-N")
-    problem = _weights_problem(path, adapter if mode == "lora" else model)
+    problem = weights_problem(path, adapter if mode == "lora" else model)
     if problem:
         raise TrainInputError(f"{flag}: {problem}; the checkpoint is damaged; resume from another checkpoint-N")
     has_optimizer = (any(n in names for n in ("optimizer.pt", "optimizer.bin"))

@@ -188,7 +188,8 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
     Applying again changes nothing (rows show "already applied"). ``revert()`` undoes everything.
     ``context_parallel``: a ``torch.distributed`` process group over which ``model``'s calls are sharded along
     the sequence (rank r holds tokens [r*T/W, (r+1)*T/W) of every row, with global position_ids); see
-    ``deltafuse.integrations.transformers.context_parallel``. Needs the model and the gdn and fused_ops routes.
+    ``deltafuse.integrations.transformers.context_parallel``. Needs the model and the gdn and fused_ops routes;
+    adds the ``context_parallel`` rows over them, which pass the calls of models not given here on unchanged.
     """
     if context_parallel is not None:  # a ProcessGroup this process belongs to
         context_parallel = _context_parallel.check_group(context_parallel)
@@ -222,7 +223,9 @@ def apply(model=None, *, gdn: bool | None = None, fused_ops: bool | None = None,
         return report
     with _STATE.lock:
         _STATE.begin(None if backend == "auto" else backend)
-        switches = {"gdn": settings.gdn, "fused_ops": settings.fused_ops, "moe": settings.moe}
+        # the context-parallel rows (over the gdn and fused_ops ones) only for a context-parallel model
+        switches = {"gdn": settings.gdn, "fused_ops": settings.fused_ops, "moe": settings.moe,
+                    "context_parallel": context_parallel is not None}
         families, rows, notes = PATCHER.apply(switches, target)
         if context_parallel is not None:
             _context_parallel.register(target, context_parallel)

@@ -142,8 +142,8 @@ def test_packed_gdn_op_equals_the_eager_route_with_states():
     o, final, _ = adapters._packed_gdn_op.op(q, k, v, g, beta, h0, seq_idx, scale, True, True, False, [False] * 6)
     packing = bd.packing_from_seq_idx(seq_idx, *seq_idx.shape)
     assert packing.offsets == (0, 2, 5, 6, 10, 12)
-    want_o, want_final = adapters._gdn_call(deltafuse.ops.chunk_gated_delta_rule, q, k, v, g, beta, scale, h0,
-                                            True, True, packing)
+    want_o, want_final = adapters.gdn_call(deltafuse.ops.chunk_gated_delta_rule, q, k, v, g, beta, scale, h0,
+                                           True, True, packing)
     torch.testing.assert_close(o, want_o, rtol=0, atol=0)
     torch.testing.assert_close(final, want_final, rtol=0, atol=0)
 

@@ -186,11 +186,41 @@ def test_one_rank_equals_stock_per_sequence(group):
     model = build_model("tiny", seed=seed)
     report = deltafuse.apply(model, context_parallel=group)
     assert report.settings["context_parallel"] == "1 ranks (this one: 0)"
+    assert {r.status for r in report.rows if r.switch == "context_parallel"} >= {"applied"}
+    assert "context_parallel" in report.summary()
     out = model(input_ids=ids, position_ids=pos, labels=labels, skip_logits=False)
     out.loss.backward()
     assert rel_max(out.logits, ref_logits) <= RTOL
     assert abs(out.loss.item() - ref_loss) <= RTOL * abs(ref_loss)
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, ref_grads, rtol=RTOL)
+
+
+def test_other_models_pass_through_the_context_parallel_rows(group):
+    """The context-parallel rows serve only the model given with the group: another model's packed call (the
+    plain rows' route: boundaries from the positions, loss, gradients) gives exactly what it gives without them,
+    and a plain apply neither adds nor reports them."""
+    import deltafuse
+
+    rows = _rows(build_model("tiny").config.vocab_size)
+    ids, pos, labels, _, _ = packed_inputs(rows)
+
+    def run(model):
+        out = model(input_ids=ids, position_ids=pos, labels=labels, skip_logits=False)
+        out.loss.backward()
+        return out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    plain = build_model("tiny", seed=3)
+    report = deltafuse.apply(plain)
+    assert not [r for r in report.rows if r.switch == "context_parallel"]
+    want = run(plain)
+    deltafuse.revert()
+    other = build_model("tiny", seed=3)
+    deltafuse.apply(build_model("tiny"), context_parallel=group)
+    report = deltafuse.apply(other)
+    assert {r.status for r in report.rows} == {"already applied"}
+    got = run(other)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
 
 
 def test_refused_arguments(group):

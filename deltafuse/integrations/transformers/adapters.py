@@ -8,12 +8,12 @@ backend registry. Packed sequences reach them as the ``Packing`` the GDN-layer w
 (``packing.py``); called directly with ``cu_seqlens`` / ``cu_seq_lens_q`` / ``seq_idx``, they derive one from
 those. When rows hold several sequences, the GDN op runs once on the flattened [1, B*T] axis with the
 combined offsets, and the result is reshaped back; recurrent states map between rows and sequences (a row's
-initial state continues its first sequence, its final state is that of its last sequence).
+initial state continues its first sequence, its final state is that of its last sequence). A shard of a
+context-parallel row is not served here: the context-parallel rows put their own op adapters
+(``cp_adapters.py``, built on ``gdn_packing`` / ``gdn_call`` and ``conv_packing`` / ``conv1d_call``) over these.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -22,7 +22,7 @@ from deltafuse.ops import _library
 from deltafuse.integrations.transformers.boundaries import (
     Packing, PackingError, packing_from_cu_seqlens, packing_from_seq_idx,
 )
-from deltafuse.integrations.transformers.packing import held_layer, held_packing
+from deltafuse.integrations.transformers.packing import held_packing
 
 
 def _given_packing(cu_seqlens, seq_idx, batch: int, length: int) -> Packing | None:
@@ -35,12 +35,11 @@ def _given_packing(cu_seqlens, seq_idx, batch: int, length: int) -> Packing | No
     return None
 
 
-def _gdn_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-              packing: Packing | None):
+def gdn_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+             packing: Packing | None):
+    """The GDN op ``op`` (``ops.chunk_gated_delta_rule`` or ``ops.fused_recurrent_gated_delta_rule``) on a [B, T]
+    batch whose sequences ``packing`` gives (None: each row one sequence); returns (o, final state or None)."""
     B, T = q.shape[:2]
-    if packing is not None and packing.context is not None:  # one shard of a context-parallel row
-        return _context_parallel_gdn(op, q, k, v, g, beta, scale, initial_state, output_final_state,
-                                     use_qk_l2norm_in_kernel, packing)
     if packing is not None and packing.cu_seqlens is None:  # derived inside a compiled graph
         o, final, _ = _packed_gdn_op(q, k, v, g, beta, initial_state, packing.seq_idx, scale,
                                      bool(output_final_state), bool(use_qk_l2norm_in_kernel),
@@ -74,16 +73,6 @@ def _gdn_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, us
     if final is not None:
         final = final[last]
     return o, final
-
-
-def _context_parallel_gdn(op, q, k, v, g, beta, scale, initial_state, output_final_state, l2, packing: Packing):
-    local = dataclasses.replace(packing, context=None)
-
-    def run(q_, k_, v_, g_, b_, h0):
-        return _gdn_call(op, q_, k_, v_, g_, b_, scale, h0, True, l2, local)
-
-    with_cache = op is not ops.chunk_gated_delta_rule or initial_state is not None or bool(output_final_state)
-    return packing.context.gated_delta_rule(run, q, k, v, g, beta, held_layer(), with_cache=with_cache), None
 
 
 def _state_replaced_in_place(initial_state, output_final_state, *tensors) -> bool:
@@ -121,12 +110,12 @@ def _packed_gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     op = ops.fused_recurrent_gated_delta_rule if recurrent else ops.chunk_gated_delta_rule
 
     def run(q_, k_, v_, g_, b_, h0):
-        return _gdn_call(op, q_, k_, v_, g_, b_, scale, h0, output_final_state, use_qk_l2norm_in_kernel, packing)
+        return gdn_call(op, q_, k_, v_, g_, b_, scale, h0, output_final_state, use_qk_l2norm_in_kernel, packing)
 
     return _library.run_forward([q, k, v, g, beta, initial_state], grad_mask, run, q.device.type)
 
 
-def _gdn_packing(q, cu_seqlens, kwargs) -> Packing | None:
+def gdn_packing(q, cu_seqlens, kwargs) -> Packing | None:
     """The boundaries of a GDN op call: given ones (``cu_seqlens`` / ``cu_seq_lens_q`` / ``seq_idx``), else
     those of the GDN forward in progress; every other keyword transformers forwards is dropped."""
     if cu_seqlens is None:
@@ -142,16 +131,16 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """``chunk_gated_delta_rule`` as every transformers design calls it (FLA's signature plus the layer's
     keywords); q/k may have H heads (5.23+) or HV heads (repeated, up to 5.22)."""
-    return _gdn_call(ops.chunk_gated_delta_rule, q, k, v, g, beta, scale, initial_state, output_final_state,
-                     use_qk_l2norm_in_kernel, _gdn_packing(q, cu_seqlens, kwargs))
+    return gdn_call(ops.chunk_gated_delta_rule, q, k, v, g, beta, scale, initial_state, output_final_state,
+                    use_qk_l2norm_in_kernel, gdn_packing(q, cu_seqlens, kwargs))
 
 
 def recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
                                output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
                                **kwargs):
     """The decoding GDN op (``fused_recurrent_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``)."""
-    return _gdn_call(ops.fused_recurrent_gated_delta_rule, q, k, v, g, beta, scale, initial_state,
-                     output_final_state, use_qk_l2norm_in_kernel, _gdn_packing(q, cu_seqlens, kwargs))
+    return gdn_call(ops.fused_recurrent_gated_delta_rule, q, k, v, g, beta, scale, initial_state,
+                    output_final_state, use_qk_l2norm_in_kernel, gdn_packing(q, cu_seqlens, kwargs))
 
 
 def _conv_seq_idx(x: torch.Tensor, packing: Packing | None) -> torch.Tensor | None:
@@ -173,7 +162,19 @@ def _conv_seq_idx(x: torch.Tensor, packing: Packing | None) -> torch.Tensor | No
     return seq_idx.contiguous()
 
 
-def _conv_packing(x: torch.Tensor, seq_idx, cu_seqlens) -> Packing | None:
+def conv_seq_idx(x: torch.Tensor, packing: Packing | None) -> torch.Tensor | None:
+    """seq_idx [B, x.shape[-1]] of ``packing``'s sequences for the conv input ``x`` [B, C, T] (what the plain
+    conv passes its op), or None when every row is one sequence."""
+    return _conv_seq_idx(x, packing)
+
+
+def conv_packing(x: torch.Tensor, seq_idx, cu_seqlens, kwargs: dict) -> Packing | None:
+    """The boundaries of a conv call on ``x`` [B, C, T]: given ones (``seq_idx`` / ``cu_seqlens``, else the
+    layer's ``seq_idx`` / ``cu_seq_lens_q`` in ``kwargs``), else those of the GDN forward in progress."""
+    if cu_seqlens is None:
+        cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if seq_idx is None:
+        seq_idx = kwargs.get("seq_idx")
     B, _, L = x.shape
     if seq_idx is None and cu_seqlens is None:
         return held_packing("conv", B, None)
@@ -193,14 +194,13 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
                      final_states_out=None, activation=None, cu_seqlens=None, **kwargs):
     """Causal depthwise conv as both designs call it: causal-conv1d's keywords (old), or the layer's kwargs
     with ``cu_seq_lens_q`` / ``seq_idx`` (new). x [B, C, T], weight [C, W]."""
-    if cu_seqlens is None:
-        cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if seq_idx is None:
-        seq_idx = kwargs.get("seq_idx")
-    packing = _conv_packing(x, seq_idx, cu_seqlens)
-    if packing is not None and packing.context is not None:  # one shard of a context-parallel row
-        return packing.context.conv1d(ops.causal_conv1d_fn, x, weight, bias, activation, _conv_seq_idx(x, packing),
-                                      held_layer(), with_cache=initial_states is not None or bool(return_final_states))
+    return conv1d_call(x, weight, bias, conv_packing(x, seq_idx, cu_seqlens, kwargs), initial_states,
+                       return_final_states, final_states_out, activation)
+
+
+def conv1d_call(x, weight, bias, packing: Packing | None, initial_states=None, return_final_states=False,
+                final_states_out=None, activation=None):
+    """The causal conv on ``x`` [B, C, T] whose sequences ``packing`` gives (None: each row one sequence)."""
     sid = _conv_seq_idx(x, packing)
     return ops.causal_conv1d_fn(x, weight, bias, seq_idx=sid, initial_states=initial_states,
                                 return_final_states=return_final_states, final_states_out=final_states_out,

@@ -196,9 +196,6 @@ def wrap_sdpa_attention(original):
     @functools.wraps(original)
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                is_causal=None, **kwargs):
-        packing = kwargs.get(PACKING_KWARG)
-        if packing is not None and packing.context is not None:  # one shard of a context-parallel row
-            return packing.context.attention(module, query, key, value, dropout, scaling, packing), None
         if _routable_attention(module, is_causal, kwargs):
             if query.device.type == "npu":
                 from deltafuse.ops.attention import sdpa_route

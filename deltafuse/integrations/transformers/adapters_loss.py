@@ -18,7 +18,6 @@ import torch
 from deltafuse import ops
 from deltafuse.ops._checks import plain_tensor
 from deltafuse.integrations.transformers.call_args import mark_wrapper
-from deltafuse.integrations.transformers.packing import CONTEXT_PARALLEL_ATTR
 
 # Keywords a patched ``*ForCausalLM.forward`` takes (Liger's protocol, and deltafuse's older alias):
 # skip_logits=False (or deltafuse_logits=True) returns the logits with the loss, skip_logits=True skips them,
@@ -198,6 +197,12 @@ def _as_tuple(out, keep_logits_slot: bool) -> tuple:
     return tuple(out.get(n) for n in names if out.get(n) is not None or (keep_logits_slot and n == "logits"))
 
 
+def positional_names(signature: inspect.Signature) -> list[str]:
+    """The parameters of a forward's ``signature`` that a call may pass by position, ``self`` excluded."""
+    return [p.name for p in list(signature.parameters.values())[1:]
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def wrap_causal_lm_forward(original):
     """``*ForCausalLM.forward`` whose loss is ``ops.fused_linear_cross_entropy``: no [tokens, vocab] logits.
 
@@ -229,17 +234,10 @@ def wrap_causal_lm_forward(original):
     ``return_dict=False``, and with ``skip_logits=False`` -- unless ``skip_logits=True`` says otherwise.
     """
     signature = inspect.signature(original)
-    positional = [p.name for p in list(signature.parameters.values())[1:]
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = positional_names(signature)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        sharding = getattr(self, CONTEXT_PARALLEL_ATTR, None)
-        if sharding is not None:  # one shard of every row: labels shifted across ranks, loss reduced over them
-            return sharding.causal_lm_forward(local_forward, positional, self, args, kwargs)
-        return local_forward(self, *args, **kwargs)
-
-    def local_forward(self, *args, **kwargs):
         skip = _skip_logits(kwargs)
         accuracy = _flag(ACCURACY_KWARG, kwargs.pop(ACCURACY_KWARG, False), allow_none=False)
         if args:

@@ -48,7 +48,9 @@ than the conv kernel - 1, attention implementations other than ``sdpa``, attenti
 ``return_token_accuracy``, router aux losses, a ``num_items_in_batch`` that differs between the ranks,
 torch.compile.
 
-This module holds what a model's calls start from: the group's checks, the marking of a model's modules
+A model's calls reach all this through the ``context_parallel`` rows (``cp_rows.py``, functions in
+``cp_adapters.py``), which ``apply`` adds over the ``gdn`` and ``fused_ops`` rows for a context-parallel model
+only. This module holds what a model's calls start from: the group's checks, the marking of a model's modules
 (``register`` / ``clear``), the ``Shard`` of a call and the text model's forward that derives it. The parts
 live beside it: the GDN state relay in ``cp_relay.py``, the conv halo in ``cp_halo.py``, the attention in
 ``cp_attention.py``, the loss in ``cp_loss.py``, and the exchanges between the ranks (with what a
@@ -109,8 +111,8 @@ def check_model(target: torch.nn.Module) -> None:
 
 class Sharding:
     """What a context-parallel model's modules hold under ``packing.CONTEXT_PARALLEL_ATTR``: the group their
-    rows are split over, and the calls the text-model and causal-LM wrappers hand such a model's calls to (so
-    that they never import this module)."""
+    rows are split over, and the calls the context-parallel rows' text-model and causal-LM forwards
+    (``cp_adapters.py``) hand such a model's calls to (so that they never import this module)."""
 
     def __init__(self, group):
         self.group = group
@@ -178,7 +180,8 @@ class Shard:
     def peer(self, offset: int) -> int:
         return distributed().get_global_rank(self.group, self.rank + offset)
 
-    # What the op adapters call on the ``Packing.context`` of a shard (they never import this module).
+    # What the context-parallel rows' op adapters and attention (``cp_adapters.py``) call on the
+    # ``Packing.context`` of a shard (they never import this module).
     def gated_delta_rule(self, run, q, k, v, g, beta, layer, *, with_cache: bool):
         """The chunked GDN op over this shard, its entry state relayed from the previous rank (``run(q, k, v, g,
         beta, h0) -> (o, final)`` runs it on the local tokens); ``with_cache``: the call has a cache (an initial or

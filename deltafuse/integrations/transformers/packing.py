@@ -17,6 +17,10 @@ The route, in every transformers version:
    ``PackingError`` instead of mixing sequences; so does a GDN layer inside a packed text-model call that
    received the boundaries neither way.
 
+A context-parallel model (``apply(model, context_parallel=group)``) takes this route with one more layer of rows
+over these wrappers (``cp_rows.py``): its text model derives the Packing of the rank's shard (``Packing.context``
+holds the ``Shard``) and hands it down the same way; nothing here looks for context parallelism.
+
 Every slot (``_Slot``: a per-thread value with ContextVar's get / set / reset) is set and reset around one
 synchronous call (in ``finally``), so nothing outlives it and each thread sees its own; under gradient
 checkpointing the recomputation calls the layers with the same keywords and sets them again. The slots are
@@ -92,6 +96,12 @@ def held_packing(op: str, batch: int, length: int | None) -> Packing | None:
     return held.packing
 
 
+def layer_packing(gdn) -> Packing | None:
+    """The Packing a decoder layer of 5.2-5.8 holds for its ``linear_attn`` ``gdn`` while it runs, else None."""
+    held = _LAYER_PACKING.get()
+    return held[1] if held is not None and held[0] is gdn else None
+
+
 def held_layer():
     """The GDN layer whose forward is in progress with a held Packing (None outside one)."""
     held = _OP_PACKING.get()
@@ -114,9 +124,8 @@ def _transformers_version() -> str:
 
 
 # Instance attribute holding the ``Sharding`` of a context-parallel model's modules (context_parallel.py sets it:
-# the group and the calls to hand the model's calls to; an attribute lookup, which torch.compile traces, costs
-# nothing on other models). Shards of a row reach the op adapters as ``Packing.context``; neither this module
-# nor the adapters import context_parallel.
+# the group and the calls to hand the model's calls to). Only the context-parallel rows read it (cp_adapters.py),
+# and they read shards of a row as ``Packing.context``; neither they nor this module import context_parallel.
 CONTEXT_PARALLEL_ATTR = "_deltafuse_context_parallel"
 
 
@@ -135,9 +144,6 @@ def wrap_text_model_forward(original):
     def forward(self, *args, **kwargs):
         if PACKING_KWARG in kwargs:
             return original(self, *args, **kwargs)
-        sharding = getattr(self, CONTEXT_PARALLEL_ATTR, None)
-        if sharding is not None:
-            return sharding.text_model_forward(original, signature, self, args, kwargs)
         ids = call_argument(signature, args, kwargs, "input_ids")
         embeds = call_argument(signature, args, kwargs, "inputs_embeds")
         ref = ids if ids is not None else embeds
@@ -243,19 +249,13 @@ def wrap_gdn_forward(original):
     def forward(self, *args, **kwargs):
         packing = kwargs.pop(PACKING_KWARG, None)
         if packing is None:
-            held = _LAYER_PACKING.get()
-            if held is not None and held[0] is self:
-                packing = held[1]
+            packing = layer_packing(self)
         hidden = call_argument(signature, args, kwargs, "hidden_states")
         if hidden is None or hidden.dim() != 3:
             return original(self, *args, **kwargs)
         batch, length = int(hidden.shape[0]), int(hidden.shape[1])
         if packing is None:
             packing = packing_from_kwargs(kwargs, batch, length)
-        if (packing is None or packing.context is None) and getattr(self, CONTEXT_PARALLEL_ATTR, None) is not None:
-            raise PackingError(f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}) belongs to a "
-                               "context-parallel model but was called outside its text model's forward (which "
-                               "shares the sequence boundaries and states between the ranks); call the model")
         for name in BOUNDARY_KWARGS:
             kwargs.pop(name, None)
         if packing is None:

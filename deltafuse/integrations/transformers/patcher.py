@@ -4,7 +4,8 @@ The rows and maps are data (``rows.py``: ``Route``, ``FamilyMap`` and the row ki
 applies them, module globals, class attributes, mapping keys and the instances of a model given to ``apply``
 (attributes their ``__init__`` cached, forwards an accelerate hook captured), and writes one record per change
 into its ``Ledger`` (``records.py``), so that ``revert`` restores the very objects it found; applying a row a
-second time is recognised and changes nothing. What a call did comes back as ``ReportRow``s (``report.py``).
+second time is recognised and changes nothing, also under a row of a higher layer that wraps its value. What a
+call did comes back as ``ReportRow``s (``report.py``).
 """
 
 from __future__ import annotations
@@ -93,13 +94,14 @@ class Patcher:
                     elif route.kind == "mapping":
                         rows.append(self._apply_key(route, module, fmap.module, start_order))
                     elif model is not None:
-                        rows.extend(self._apply_instances(route, module, fmap.module, model))
-                notes_of = {route.target_name(fmap.module): route.note for route in fmap.routes
+                        rows.extend(self._apply_instances(route, module, fmap.module, model,
+                                                          _covering(fmap, route)))
+                notes_of = {(route.switch, route.target_name(fmap.module)): route.note for route in fmap.routes
                             if route.note and (not route.note_if or self._stock_global(module, route.note_if)
                                                not in (None, MISSING))}
                 for row in rows[start:]:
                     row.module = fmap.module
-                    row.note = "; ".join(filter(None, (notes_of.get(row.target, ""), row.note)))
+                    row.note = "; ".join(filter(None, (notes_of.get((row.switch, row.target), ""), row.note)))
             for switch in SWITCHES:
                 if not any(r.switch == switch for fmap in self.maps for r in fmap.routes):
                     state = "on" if switches.get(switch) else "off"
@@ -119,9 +121,9 @@ class Patcher:
         attr = route.attr
         had_own = attr in vars(target)
         current = vars(target).get(attr, MISSING) if had_own else getattr(target, attr, MISSING)
-        key = (id(target), attr)
+        key = _key(route, target, attr)
         rec = self.ledger.get(key)
-        if rec is not None and rec.target_ref() is target and current is rec.new:
+        if rec is not None and rec.target_ref() is target and self.ledger.beneath(key, target, current) is rec.new:
             return ReportRow(route.switch, label, describe(rec.old), describe(rec.new), "already applied")
         if current is MISSING:
             return ReportRow(route.switch, label, "<absent>", describe(route.replacement), "not found")
@@ -134,7 +136,7 @@ class Patcher:
 
     def _apply_hooked_forward(self, route, cls, module_name, model) -> list[ReportRow]:
         """Instances whose forward an accelerate hook captured as ``_old_forward`` (a bound method)."""
-        rec = self.ledger.get((id(cls), route.attr))
+        rec = self.ledger.get(_key(route, cls, route.attr))
         if rec is None:
             return []
         applied, already = 0, 0
@@ -144,9 +146,9 @@ class Patcher:
             bound = vars(inst).get("_old_forward", None)
             if bound is None:
                 continue
-            key = (id(inst), "_old_forward")
+            key = _key(route, inst, "_old_forward")
             mine = self.ledger.get(key)
-            if mine is not None and mine.target_ref() is inst and bound is mine.new:
+            if mine is not None and mine.target_ref() is inst and self.ledger.beneath(key, inst, bound) is mine.new:
                 already += 1
                 continue
             if getattr(bound, "__func__", None) is not rec.old or getattr(bound, "__self__", None) is not inst:
@@ -180,7 +182,9 @@ class Patcher:
                 return value
         return None
 
-    def _apply_instances(self, route: Route, module, module_name: str, model) -> list[ReportRow]:
+    def _apply_instances(self, route: Route, module, module_name: str, model, covering: tuple = ()) -> list[ReportRow]:
+        """Instance rows; ``covering``: what rows of higher layers put at the same attribute (an instance built
+        while they were applied cached one of them: built while patched, as one holding ``route.replacement``)."""
         cls = getattr(module, route.owner, None)
         label = route.target_name(module_name)
         if not isinstance(cls, type):
@@ -190,16 +194,16 @@ class Patcher:
             if not isinstance(inst, cls):
                 continue
             attrs = vars(inst)
-            key = (id(inst), route.attr)
+            key = _key(route, inst, route.attr)
             rec = self.ledger.get(key)
             current = attrs.get(route.attr, MISSING)
-            if rec is not None and rec.target_ref() is inst and current is rec.new:
+            if rec is not None and rec.target_ref() is inst and self.ledger.beneath(key, inst, current) is rec.new:
                 status, old, new = "already applied", rec.old, rec.new
             elif current is MISSING:
                 status, old, new = "not found", MISSING, route.replacement
             else:
                 new = route.replacement
-                if current is new:
+                if current is new or any(current is value for value in covering):
                     # built while deltafuse was applied: the stock value is what __init__ would have cached
                     old = self._stock_init_value(module, route)
                     status = "applied (built while patched)"
@@ -224,10 +228,10 @@ class Patcher:
         if not isinstance(table, dict):
             return ReportRow(route.switch, label, "<absent>", describe(route.replacement), "not found",
                              note=f"{route.mapping} is not an importable dict in this transformers")
-        key = (id(table), ("key", route.attr))
+        key = _key(route, table, ("key", route.attr))
         current = table.get(route.attr, MISSING)
         rec = self.ledger.get(key)
-        if rec is not None and rec.target_ref() is table and current is rec.new:
+        if rec is not None and rec.target_ref() is table and self.ledger.beneath(key, table, current) is rec.new:
             shared = self.ledger.changed_since(start_order, key)
             return ReportRow(route.switch, label, describe(rec.old), describe(rec.new),
                              "applied (shared)" if shared else "already applied")
@@ -250,6 +254,17 @@ class Patcher:
 
 def _strong(obj):
     return lambda: obj
+
+
+def _key(route: Route, target, attr) -> tuple:
+    """The ledger key of ``route``'s change of ``attr`` on ``target``: a row of a layer above 0 has its own."""
+    return (id(target), attr) if not route.layer else (id(target), attr, route.layer)
+
+
+def _covering(fmap: FamilyMap, route: Route) -> tuple:
+    """What the instance rows of ``fmap`` in layers above ``route``'s put at the attribute ``route`` sets."""
+    return tuple(r.replacement for r in fmap.routes if r.kind == "instance" and r.layer > route.layer
+                 and (r.owner, r.attr) == (route.owner, route.attr))
 
 
 def _follow(obj, path: str):

@@ -2,7 +2,9 @@
 
 A record holds (target, attribute, previous value, whether the target owned the attribute), so that restoring
 puts back the very objects found; the ledger keeps the records in the order they were made, restores them in
-reverse, and can restore only what came after a ``mark()``.
+reverse, and can restore only what came after a ``mark()``. A row of layer 0 is keyed (id of the target, attribute
+or mapping key); a row of a higher layer over the same target adds its layer to that key, so each layer has its
+own record (``beneath`` looks through the layers above one).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from deltafuse.integrations.transformers.report import ReportRow, describe
-from deltafuse.integrations.transformers.rows import Route
+from deltafuse.integrations.transformers.rows import LAYERS, Route
 
 
 @dataclass
@@ -42,6 +44,16 @@ class Ledger:
 
     def get(self, key) -> Record | None:
         return self._records.get(key)
+
+    def beneath(self, key: tuple, target, value):
+        """``value`` (found at ``target``) with what the rows of the layers above ``key``'s put over it peeled off,
+        the highest layer first: what the change recorded under ``key`` left there, if nothing else changed it."""
+        base, own = key[:2], (key[2] if len(key) > 2 else 0)
+        for layer in range(max(LAYERS), own, -1):
+            rec = self._records.get(base + (layer,))
+            if rec is not None and rec.new is value and rec.target_ref() is target:
+                value = rec.old
+        return value
 
     def remember(self, key, record: Record) -> None:
         if key in self._records:

@@ -22,15 +22,19 @@ class ReportRow:
     def short(self, text: str) -> str:
         if self.module:
             text = text.replace(self.module + ".", "")
-        for prefix in ("deltafuse.integrations.transformers.adapters.",
-                       "deltafuse.integrations.transformers.adapters_fused.",
-                       "deltafuse.integrations.transformers.packing."):
-            text = text.replace(prefix, "deltafuse.")
+        for prefix, short in _SHORT_PREFIXES:
+            text = text.replace(prefix, short)
         return text
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
+
+# how rows name the objects of deltafuse's adapter modules
+_SHORT_PREFIXES = (("deltafuse.integrations.transformers.adapters.", "deltafuse."),
+                   ("deltafuse.integrations.transformers.adapters_fused.", "deltafuse."),
+                   ("deltafuse.integrations.transformers.packing.", "deltafuse."),
+                   ("deltafuse.integrations.transformers.cp_adapters.", "deltafuse.context_parallel."))
 
 # statuses of a row that changed something in this call ("applied (shared)": the same key, applied by another
 # family's row of the same call)
@@ -137,7 +141,7 @@ class PatchReport:
         if models:
             head += " to " + ", ".join(self._title(f) for f in models) + f" ({self._designs()})"
         parts = [head]
-        again = {r.target for r in self.already_applied}  # a key several families share counts once
+        again = {(r.switch, r.target) for r in self.already_applied}  # a key several families share counts once
         if again:
             parts.append(f"{_n(len(again), 'route')} already applied")
         serving = self._serving_text()

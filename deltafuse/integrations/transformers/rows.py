@@ -13,7 +13,10 @@ A row names a target and what to put there:
   value replaced, and removed or restored on revert.
 
 ``design`` restricts a row to the old ("old": the module defines ``design_marker``) or new ("new") design
-of transformers' GDN integration. ``deltafuse.integrations.transformers.patcher`` applies the rows.
+of transformers' GDN integration. ``layer`` 1 marks a row over what a layer-0 row put at the same target (the
+``context_parallel`` rows over the ``gdn`` and ``fused_ops`` ones): it keeps its own record, so that reverting
+puts back each layer in turn and re-applying either layer is recognised.
+``deltafuse.integrations.transformers.patcher`` applies the rows.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any
 MISSING = object()  # what a record or report holds for an attribute or key that did not exist
 KINDS = ("global", "class", "instance", "mapping")
 DESIGNS = ("any", "old", "new")
-SWITCHES = ("gdn", "fused_ops", "moe")
+SWITCHES = ("gdn", "fused_ops", "moe", "context_parallel")
+LAYERS = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class Route:
     # the note holds only where the family module's global of this name is, as transformers set it, not None
     # (e.g. "FusedRMSNormGated": FLA's norm, old design with FLA importable); "" = always
     note_if: str = ""
+    # 0: over what transformers put at the target; 1: over what a layer-0 row of the same target put there
+    layer: int = 0
 
     def __post_init__(self):
         if self.switch not in SWITCHES:
@@ -50,6 +56,8 @@ class Route:
             raise ValueError(f"Route.kind={self.kind!r}; allowed: {', '.join(KINDS)}")
         if self.design not in DESIGNS:
             raise ValueError(f"Route.design={self.design!r}; allowed: {', '.join(DESIGNS)}")
+        if self.layer not in LAYERS:
+            raise ValueError(f"Route.layer={self.layer!r}; allowed: {', '.join(map(str, LAYERS))}")
         if self.kind != "global" and not self.owner:
             raise ValueError(f"Route {self.attr!r}: kind={self.kind!r} needs the owning class name")
         if (self.kind == "mapping") != bool(self.mapping):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up and run the whole CPU test suite: everything on the newest transformers, then the model, training
-# and bench tests again on transformers 5.9.0 (the older modeling design), then packed batches on 5.2.0 (the
-# oldest supported: decoder layers that do not pass their keywords to the GDN layer) and 5.14.1 (the last
-# release of the older design). Triton kernels run under TRITON_INTERPRET=1. The older-transformers runs go
+# and bench tests again on transformers 5.9.0 (the older modeling design), then packed batches and context
+# parallelism on 5.2.0 (the oldest supported: decoder layers that do not pass their keywords to the GDN layer) and
+# 5.14.1 (the last release of the older design). Triton kernels run under TRITON_INTERPRET=1. The older-transformers runs go
 # alongside the newest one (their output is printed after it); the script fails if any run fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,12 +16,13 @@ older_transformers() {
   .venv-tf59/bin/python -m pytest -q -p no:cacheprovider --basetemp "$work/tf59" -m "not slow" \
     tests/integrations tests/test_verify.py tests/test_auto.py tests/train tests/bench
   for venv in .venv-tf52 .venv-tf514; do
-    echo "== packed batches, transformers $("$venv/bin/python" -c 'import transformers; print(transformers.__version__)') =="
+    echo "== packed batches and context parallelism, transformers $("$venv/bin/python" -c 'import transformers; print(transformers.__version__)') =="
     for model in tiny tiny-moe tiny-next; do
       "$venv/bin/python" -m deltafuse verify --model "$model" --packed
     done
     "$venv/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$work/$venv" \
-      tests/integrations/test_packed.py tests/integrations/test_packing_route.py
+      tests/integrations/test_packed.py tests/integrations/test_packing_route.py \
+      tests/integrations/test_context_parallel.py
   done
 }
 

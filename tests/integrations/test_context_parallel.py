@@ -217,7 +217,12 @@ def test_other_models_pass_through_the_context_parallel_rows(group):
     other = build_model("tiny", seed=3)
     deltafuse.apply(build_model("tiny"), context_parallel=group)
     report = deltafuse.apply(other)
-    assert {r.status for r in report.rows} == {"already applied"}
+    # nothing process-wide is new: transformers <= 5.14 binds the ops a GDN layer cached on its instance (applied,
+    # or built while patched), as any apply to another model does there; every other row is already in place
+    new = [(r.switch, r.target, r.status) for r in report.rows if "(instance)" not in r.target
+           and r.status not in ("already applied", "in place")]
+    assert not new, new
+    assert all(r.status == "already applied" for r in report.rows if r.switch == "context_parallel")
     got = run(other)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])

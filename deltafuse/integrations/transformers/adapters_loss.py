@@ -17,7 +17,7 @@ import torch
 
 from deltafuse import ops
 from deltafuse.ops._checks import plain_tensor
-from deltafuse.integrations.transformers.call_args import mark_wrapper
+from deltafuse.integrations.transformers.call_args import call_signature, mark_wrapper
 
 # Keywords a patched ``*ForCausalLM.forward`` takes (Liger's protocol, and deltafuse's older alias):
 # skip_logits=False (or deltafuse_logits=True) returns the logits with the loss, skip_logits=True skips them,
@@ -233,7 +233,7 @@ def wrap_causal_lm_forward(original):
     without gradients (evaluation, generation), without labels, with ``logits_to_keep`` != 0, with
     ``return_dict=False``, and with ``skip_logits=False`` -- unless ``skip_logits=True`` says otherwise.
     """
-    signature = inspect.signature(original)
+    signature = call_signature(original)
     positional = positional_names(signature)
 
     @functools.wraps(original)

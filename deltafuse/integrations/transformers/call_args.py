@@ -8,6 +8,24 @@ import inspect
 import torch
 
 
+def call_signature(fn) -> inspect.Signature:
+    """The signature of ``fn`` as its callers see it, through decorators that hide it: ``functools.wraps``
+    (``__wrapped__``, which ``inspect.signature`` follows) and a plain closure over the decorated function (from
+    5.14 transformers decorates the GDN layers' forward with ``force_accelerate_hooks``, whose wrapper is
+    ``(self, *args, **kwargs)``; a positional ``hidden_states`` would then be unreadable)."""
+    sig = inspect.signature(fn)
+    rest = list(sig.parameters.values())[1:]
+    if rest and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in rest):
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if inspect.isfunction(inner) and inner is not fn:
+                return call_signature(inner)
+    return sig
+
+
 def call_argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str, default=None):
     """The value of parameter ``name`` in a call (self excluded from ``args``)."""
     if name in kwargs:

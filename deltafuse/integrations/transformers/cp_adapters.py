@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 from deltafuse import ops
 from deltafuse.integrations.transformers import adapters as a
 from deltafuse.integrations.transformers.adapters_loss import positional_names
 from deltafuse.integrations.transformers.boundaries import PackingError, packing_from_kwargs
-from deltafuse.integrations.transformers.call_args import call_argument, mark_wrapper
+from deltafuse.integrations.transformers.call_args import call_argument, call_signature, mark_wrapper
 from deltafuse.integrations.transformers.packing import (
     CONTEXT_PARALLEL_ATTR, PACKING_KWARG, held_layer, layer_packing,
 )
@@ -33,7 +32,7 @@ from deltafuse.integrations.transformers.packing import (
 def wrap_text_model_forward(inner):
     """Text-model forward (over ``packing.wrap_text_model_forward``): a marked model's call derives the Packing of
     the rank's shard and runs ``inner`` with it in the decoder layers' keywords."""
-    signature = inspect.signature(inner)
+    signature = call_signature(inner)
 
     @functools.wraps(inner)
     def forward(self, *args, **kwargs):
@@ -49,7 +48,7 @@ def wrap_gdn_forward(inner):
     """GDN-layer forward (over ``packing.wrap_gdn_forward``) that refuses a layer of a marked model called without
     its shard's Packing: outside its text model's forward, which shares the boundaries and states between the
     ranks."""
-    signature = inspect.signature(inner)
+    signature = call_signature(inner)
 
     @functools.wraps(inner)
     def forward(self, *args, **kwargs):
@@ -80,7 +79,7 @@ def _refuse_outside_model(layer, signature, args, kwargs, packing) -> None:
 def wrap_causal_lm_forward(inner):
     """Causal-LM forward (over ``adapters_loss.wrap_causal_lm_forward``): a marked model's call runs ``inner`` on
     the rank's shard with the labels shifted across the ranks and the loss reduced over them."""
-    positional = positional_names(inspect.signature(inner))
+    positional = positional_names(call_signature(inner))
 
     @functools.wraps(inner)
     def forward(self, *args, **kwargs):

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from deltafuse.integrations.transformers.boundaries import Packing, PackingError, packing_from_kwargs, text_positions
-from deltafuse.integrations.transformers.call_args import all_ones_mask, call_argument, set_call_argument
+from deltafuse.integrations.transformers.call_args import (all_ones_mask, call_argument, call_signature,
+                                                           set_call_argument)
 
 # Keyword under which the text-model wrapper hands the boundaries to the decoder layers. It travels in their
 # **kwargs (recomputed with them under gradient checkpointing, never global state); the GDN wrapper removes it
@@ -138,7 +139,7 @@ def wrap_text_model_forward(original):
     from them (it does so only without a mask and without a cache); ``use_cache`` is turned off for this call
     (a cache of a packed batch would mix sequences).
     """
-    signature = inspect.signature(original)
+    signature = call_signature(original)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -243,7 +244,7 @@ def wrap_gdn_forward(original):
     derived here from ``cu_seq_lens_q`` / ``seq_idx``. Those two keywords never reach the stock forward: the op
     adapters take the held Packing instead (one object from the text model to the kernels, in every design).
     """
-    signature = inspect.signature(original)
+    signature = call_signature(original)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):

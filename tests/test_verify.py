@@ -515,3 +515,22 @@ def test_baseline_refuses_while_deltafuse_is_applied():
         with stock.stock_torch_baseline(model, deltafuse_applied=PATCHER.has_records()):
             pass
 
+
+
+def test_the_package_reaches_cores_names_and_stays_light():
+    """``deltafuse.verify.<name>`` is core's name (the module's API before it became a package), loaded on first
+    use: importing the package imports no torch."""
+    import subprocess
+    import sys
+
+    from deltafuse import verify as package
+
+    assert package.verify_model is verify.verify_model and package.DTYPES is verify.DTYPES
+    with pytest.raises(AttributeError, match="module 'deltafuse.verify' has no attribute 'nope'"):
+        package.nope  # noqa: B018
+    code = "import sys, deltafuse.verify; print('torch' in sys.modules)"
+    from tests.helpers import clean_subprocess_env
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=clean_subprocess_env())
+    assert out.stdout.strip() == "False", out.stderr

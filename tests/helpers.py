@@ -140,3 +140,56 @@ def clean_subprocess_env() -> dict:
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+# --- two-process runs ------------------------------------------------------------------------------------------
+_PYTHON_ERROR = "Traceback (most recent call last)"  # a Python exception (faulthandler's dumps say "most recent call first")
+_ABORT = "Fatal Python error: Aborted"  # faulthandler's line when a rank dies in native code (SIGABRT)
+
+
+def _rank_logs(log_dir: str, stream: str) -> dict[int, str]:
+    """Every rank's ``stream`` ("stdout" or "stderr") of a torch.distributed.run started with ``--log-dir log_dir
+    --redirects 3`` (its files lie at <log_dir>/<run id>/attempt_<n>/<rank>/<stream>.log), by rank."""
+    logs = {}
+    for root, _, files in os.walk(log_dir):
+        if f"{stream}.log" in files and os.path.basename(root).isdigit():
+            with open(os.path.join(root, f"{stream}.log"), errors="replace") as f:
+                logs[int(os.path.basename(root))] = f.read()
+    return logs
+
+
+def run_two_ranks(args: list[str], *, log_dir: str, env: dict, cwd: str, timeout: int = 600) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=2 <args>``: asserts that it exits 0, with
+    each rank's own stderr (tail) in the failure message. Returns each rank's stdout, by rank.
+
+    Every rank runs with faulthandler on, so a rank that dies in native code prints its Python stack. When a rank
+    aborted inside a library (gloo's threads end a process with std::terminate now and then on a loaded 2-core
+    machine: "terminate called without an active exception", with no Python exception on that rank) the run is
+    started once more and must pass then; the first attempt's stacks are shown as a warning. A Python exception
+    that ends a rank, a wrong result or a second abort fails."""
+    import subprocess
+    import warnings
+
+    env = dict(env, PYTHONFAULTHANDLER="1")
+    first = None
+    for attempt in range(2):
+        logs_at = os.path.join(log_dir, f"launch{attempt}")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "--log-dir", logs_at, "--redirects", "3", *args],
+                              cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0:
+            if first is not None:
+                warnings.warn(f"a rank aborted in native code; the second launch passed. The first launch:\n{first}")
+            out = _rank_logs(logs_at, "stdout")
+            return [out.get(rank, "") for rank in range(2)]
+        logs = _rank_logs(logs_at, "stderr")
+        report = "\n".join(f"--- rank {rank}'s stderr (last 4000 characters) ---\n{text[-4000:]}"
+                           for rank, text in sorted(logs.items()))
+        report += f"\n--- launcher's stderr (last 1500 characters) ---\n{proc.stderr[-1500:]}"
+        # a rank that aborted with no Python exception of its own (the other rank's then fails on the lost peer)
+        aborted = any(_ABORT in text and _PYTHON_ERROR not in text for text in logs.values())
+        if attempt or not aborted:
+            raise AssertionError(f"torch.distributed.run exited {proc.returncode}"
+                                 + (" (again, after a first launch whose rank aborted)" if attempt else "")
+                                 + f"\n{report}")
+        first = report

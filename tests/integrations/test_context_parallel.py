@@ -14,14 +14,12 @@ gathered keys (lower-right causal, no mask tensor on CUDA) is checked against a 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from deltafuse.models import build_model
-from tests.helpers import rel_rms
+from tests.helpers import rel_rms, run_two_ranks
 from tests.integrations import assert_grads_close, packed_inputs, per_sequence_stock, rel_max
 from tests.integrations.context_parallel_worker import build_case_model
 
@@ -86,10 +84,8 @@ def test_two_ranks_equal_stock_per_sequence(tmp_path):
     out = str(tmp_path / "cp.pt")
     torch.save(cases, out + ".data")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           os.path.join(ROOT, "tests", "integrations", "context_parallel_worker.py"), out],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_two_ranks([os.path.join(ROOT, "tests", "integrations", "context_parallel_worker.py"), out],
+                  log_dir=str(tmp_path / "logs"), env=env, cwd=ROOT)
     results = torch.load(out)
     assert sorted(results) == sorted(cases)
     refs = {}

@@ -5,13 +5,13 @@ boundary in the reference), and the fused loss runs (no logits) however lm_head 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from deltafuse.models import build_model
+from tests.helpers import run_two_ranks
 from tests.integrations import assert_grads_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,10 +42,8 @@ def run_ranks(tmp_path, family: str, seed: int, wraps: dict | None = None, devic
     out = str(tmp_path / "fsdp.pt")
     torch.save({"rows": rows, "lengths": LENGTHS, **({"wraps": wraps} if wraps else {})}, out + ".data")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", FSDP_WORKER_DEVICE=device)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           os.path.join(ROOT, "tests", "integrations", "fsdp_worker.py"), family, str(seed), out],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_two_ranks([os.path.join(ROOT, "tests", "integrations", "fsdp_worker.py"), family, str(seed), out],
+                  log_dir=str(tmp_path / "logs"), env=env, cwd=ROOT)
     return rows, torch.load(out)
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ import torch
 from deltafuse.train import context_parallel as cp
 from deltafuse.train.cli import main
 from deltafuse.train.data import IGNORE_INDEX
+from tests.helpers import run_two_ranks
 from tests.train.test_bad_input import fails
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -192,10 +191,8 @@ def test_two_ranks_train_as_one_process(tmp_path, flags, width):
               "--no-progress", "--deltafuse", *flags]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     out = str(tmp_path / "cp")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "deltafuse.train", *common, "--context-parallel", "2", "--output-dir", out],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = run_two_ranks(["-m", "deltafuse.train", *common, "--context-parallel", "2", "--output-dir", out],
+                  log_dir=str(tmp_path / "logs"), env=env, cwd=ROOT, timeout=300)
     one = str(tmp_path / "one")
     assert main([*common, "--output-dir", one]) == 0
     got, want = _records(out), _records(one)
@@ -213,4 +210,4 @@ def test_two_ranks_train_as_one_process(tmp_path, flags, width):
         assert row == width
     assert [(x["rank"], x["start"], x["tokens"]) for x in shards] == [(0, 0, row // 2), (1, row // 2, row // 2)]
     assert len(s["peak_mem_bytes_per_rank"]) == 2 and s["wrapped_model"] == "DistributedDataParallel"
-    assert "context parallel: 2 ranks x 1 data-parallel replica(s)" in proc.stdout
+    assert "context parallel: 2 ranks x 1 data-parallel replica(s)" in stdout[0]

@@ -34,7 +34,8 @@ def _cases(grad):
     beta = torch.rand(B, T, HV).requires_grad_(grad)
     h0 = _r(2, HV, K, V, grad=grad)
     cu = torch.tensor([0, 3, T], dtype=torch.int32)
-    m = [grad] * 6
+    m = [grad] * 8
+    a_log, dt_bias = _r(HV, grad=grad), _r(HV, grad=grad)  # FLA's in-kernel gate (chunk: raw g and beta logits)
     x, w, b = _r(2, 6, 9, grad=grad), _r(6, 4, grad=grad), _r(6, grad=grad)
     init = _r(2, 6, 3, grad=grad)
     hidden, head = _r(10, 8, grad=grad), _r(13, 8, grad=grad)
@@ -42,9 +43,11 @@ def _cases(grad):
     targets[3] = -100
     N, E, I, kk = 6, 3, 4, 2
     return {
-        "chunk_gated_delta_rule": (gdn_api._chunk_op.op, (q, k, v, gd, beta, h0, cu, 0.3, True, True, None, m, False)),
+        "chunk_gated_delta_rule": (gdn_api._chunk_op.op, (q, k, v, gd, beta, h0, a_log, dt_bias, cu, 0.3, True, True,
+                                                           True, True, None, m, False)),
         "fused_recurrent_gated_delta_rule": (gdn_api._recurrent_op.op,
-                                             (q, k, v, gd, beta, None, None, 0.3, True, False, None, m, False, False)),
+                                             (q, k, v, gd, beta, None, None, None, None, 0.3, True, False, False, False,
+                                              None, m[:5] + [False] * 3, False, False)),
         "causal_conv1d_fn": (conv_api._conv_op.op, (x, w, b, init, None, None, True, "silu", None, [grad] * 4, False)),
         "causal_conv1d_update": (conv_api._conv_update_op,
                                  (x[..., :1].detach(), _r(2, 6, 4), w.detach(), b.detach(), "silu", None)),

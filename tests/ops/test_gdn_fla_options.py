@@ -83,6 +83,60 @@ def test_gate_and_beta_in_kernel_match_the_oracle(name, backend, with_bias):
         assert got["dt_bias"] is None
 
 
+@pytest.mark.parametrize("gate,beta_sigmoid", [(True, False), (False, True), (True, True)],
+                         ids=["gate", "beta_sigmoid", "both"])
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+def test_triton_chunk_computes_the_options_in_its_kernels(monkeypatch, gate, beta_sigmoid, packed):
+    """The Triton chunk kernels take FLA's options themselves (the op hands them the raw inputs: the torch formulas
+    never run) over several chunks per sequence, packed sequences (one of a single token) and an initial state,
+    with raw gates from -30 to 30 (softplus past its x > 20 branch and deep in its tail): o, the final state and
+    every gradient against the float64 oracle."""
+    from deltafuse.ops.gated_delta import api
+
+    def no_torch_gates(*args):
+        raise AssertionError("the gate options were computed in torch, not in the Triton kernels")
+
+    monkeypatch.setattr(api, "in_torch", no_torch_gates)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    Bx, Tx = (1, 200) if packed else (2, 150)
+    cu = torch.tensor([0, 70, 71, 200]) if packed else None
+    N = 3 if packed else Bx
+    rnd = lambda *shape, scale=1.0: torch.randn(*shape, generator=gen, dtype=torch.float64) * scale  # noqa: E731
+    x = dict(q=rnd(Bx, Tx, H, K), k=rnd(Bx, Tx, H, K), v=rnd(Bx, Tx, HV, V), h0=rnd(N, HV, K, V, scale=0.3),
+             A_log=torch.log(torch.rand(HV, generator=gen, dtype=torch.float64) + 0.05), dt_bias=rnd(HV))
+    x["a"] = rnd(Bx, Tx, HV, scale=3.0) if gate else -torch.rand(Bx, Tx, HV, generator=gen, dtype=torch.float64)
+    if gate:  # every 17th token's raw gates spread over [-30, 30]
+        x["a"][0, ::17] = torch.linspace(-30, 30, x["a"][0, ::17].numel(), dtype=torch.float64).view(-1, HV)
+    x["b"] = rnd(Bx, Tx, HV, scale=2.0) if beta_sigmoid else torch.rand(Bx, Tx, HV, generator=gen,
+                                                                        dtype=torch.float64) + 0.01
+    do, dh = rnd(Bx, Tx, HV, V), rnd(N, HV, K, V)
+    ref_leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    g = ref_leaves["a"]
+    if gate:
+        g = -ref_leaves["A_log"].exp() * torch.nn.functional.softplus(g + ref_leaves["dt_bias"])
+    beta = ref_leaves["b"].sigmoid() if beta_sigmoid else ref_leaves["b"]
+    ro, rf = naive_gated_delta_rule(ref_leaves["q"], ref_leaves["k"], ref_leaves["v"], g, beta,
+                                    initial_state=ref_leaves["h0"], output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    ref = _grads(ro, rf, ref_leaves, do, dh)
+    leaves = {n: t.float().requires_grad_() for n, t in x.items()}
+    extra = dict(A_log=leaves["A_log"], dt_bias=leaves["dt_bias"]) if gate else {}
+    o, final = ops.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["a"], leaves["b"],
+                                          initial_state=leaves["h0"], output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu, use_gate_in_kernel=gate,
+                                          use_beta_sigmoid_in_kernel=beta_sigmoid, backend="triton", **extra)
+    got = _grads(o, final, leaves, do, dh)
+    assert_rel_close(o, ro, 2e-5, "o")
+    assert_rel_close(final, rf, 2e-5, "final state")
+    for n in ("q", "k", "v", "a", "b", "h0"):
+        assert_rel_close(got[n], ref[n], 5e-5, f"d{n}")
+    if gate:
+        for n in ("A_log", "dt_bias"):
+            assert_rel_close(got[n], ref[n], 1e-4, f"d{n}")
+    else:
+        assert got["A_log"] is None and got["dt_bias"] is None
+
+
 @pytest.mark.parametrize("name,backend", [("chunk", "torch"), ("chunk", "triton"), ("recurrent", "torch")])
 def test_v_in_another_dtype_than_q_and_k(name, backend):
     """fp32 q/k with fp16 v (FLA accepts it): computed in fp32, o in q's dtype, equal to the all-fp32 call on the

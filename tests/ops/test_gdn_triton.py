@@ -479,8 +479,7 @@ def test_fwd_v2_keeps_only_the_inputs():
     ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
     o, _ = chunk_gated_delta_rule_triton(ours["q"], ours["k"], ours["v"], ours["g"], ours["beta"], 0.25,
                                          ours["initial_state"], False, True)
-    saved = o.grad_fn.saved_tensors
-    assert len(saved) == 6
+    saved = [t for t in o.grad_fn.saved_tensors if t is not None]  # None: A_log and dt_bias (no in-kernel gate)
     assert [tuple(t.shape) for t in saved] == [(70, 1, 16), (70, 1, 16), (70, 2, 16), (70, 2), (70, 2), (1, 2, 16, 16)]
 
 

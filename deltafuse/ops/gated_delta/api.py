@@ -6,6 +6,7 @@ import torch
 
 from deltafuse import backends
 from deltafuse.ops.gated_delta.candidates import CHUNK, RECURRENT
+from deltafuse.ops.gated_delta.gates import Gates, in_torch
 from deltafuse.ops import _library
 from deltafuse.ops import _checks as check
 
@@ -61,30 +62,27 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs):
     return float(scale)
 
 
-def _gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel):
-    """FLA's in-kernel gate and beta options, with FLA's semantics: ``use_gate_in_kernel=True`` takes ``g`` as the
-    raw gate and computes the log-space decay ``-exp(A_log) * softplus(g + dt_bias)`` in fp32 (A_log and dt_bias:
-    [HV], dt_bias optional), ``use_beta_sigmoid_in_kernel=True`` takes ``beta`` as logits (beta = sigmoid(beta),
-    fp32). Both are differentiable (A_log and dt_bias get gradients). Returns (g, beta) for the op."""
+def _gates(g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel) -> Gates:
+    """FLA's in-kernel gate and beta options, checked, with FLA's semantics (gates.py): ``use_gate_in_kernel=True``
+    takes ``g`` as the raw gate and the log-space decay is ``-exp(A_log) * softplus(g + dt_bias)`` in fp32 (A_log
+    and dt_bias: [HV], dt_bias optional), ``use_beta_sigmoid_in_kernel=True`` takes ``beta`` as logits (beta =
+    sigmoid(beta), fp32). Both are differentiable (A_log and dt_bias get gradients). deltafuse's Triton kernels
+    compute them inside; other backends are handed g and beta computed in torch."""
     HV = g.shape[-1]
     if use_gate_in_kernel:
         check.tensor("A_log", A_log, 1)
         if A_log.shape != (HV,):
             check.fail(f"A_log must be [HV] = ({HV},), got {check.shape(A_log)}")
         check.same_device("g", g, A_log=A_log, dt_bias=dt_bias)
-        x = g.float()
         if dt_bias is not None:
             check.tensor("dt_bias", dt_bias, 1)
             if dt_bias.shape != (HV,):
                 check.fail(f"dt_bias must be [HV] = ({HV},), got {check.shape(dt_bias)}")
-            x = x + dt_bias.float()
-        g = -A_log.float().exp() * torch.nn.functional.softplus(x)
     elif A_log is not None or dt_bias is not None:
         check.fail("A_log / dt_bias are read only with use_gate_in_kernel=True (g is then the raw gate); got "
                    f"use_gate_in_kernel={use_gate_in_kernel!r}")
-    if use_beta_sigmoid_in_kernel:
-        beta = beta.float().sigmoid()
-    return g, beta
+    gate = bool(use_gate_in_kernel)
+    return Gates(A_log if gate else None, dt_bias if gate else None, gate, bool(use_beta_sigmoid_in_kernel))
 
 
 def _wider(q, k, v):
@@ -96,13 +94,13 @@ def _wider(q, k, v):
 def _op_inputs(op, q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs, backend, use_gate_in_kernel, A_log,
                dt_bias, use_beta_sigmoid_in_kernel):
     """A public call's arguments checked (``backend=`` too, for ``op``) and made what its op takes: (q, k, v in the
-    wider dtype, g and beta after FLA's gate options, the scale as a float)."""
+    wider dtype, the scale as a float, FLA's gate options as ``Gates``)."""
     scale = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs)
     if backend is not None:
         backends.call_backend(op, backend)
-    g, beta = _gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    gates = _gates(g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     q, k, v = _wider(q, k, v)
-    return q, k, v, g, beta, scale
+    return q, k, v, scale, gates
 
 
 @check.public_op(CHUNK)
@@ -121,14 +119,15 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     cu_seqlens: offsets of packed sequences (B must be 1). Returns (o [B, T, HV, V] in q's dtype,
     final state [N, HV, K, V] fp32 or None). ``backend=`` may force 'triton', 'fla' or 'torch'.
     ``use_gate_in_kernel`` (with ``A_log``, ``dt_bias``) and ``use_beta_sigmoid_in_kernel``: FLA's options, g and
-    beta then raw (see ``_gates``). v may have another dtype than q/k (computed in the wider one).
+    beta then raw (see ``_gates``; deltafuse's Triton kernels compute them inside). v may have another dtype than q/k (computed in the wider one).
     """
     out_dtype = q.dtype
-    q, k, v, g, beta, scale = _op_inputs(CHUNK, q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs, backend,
-                                         use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
-    o, final, _ = _chunk_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
-                      bool(use_qk_l2norm_in_kernel), backend, _library.grad_mask(q, k, v, g, beta, initial_state),
-                      torch.compiler.is_compiling())
+    q, k, v, scale, gates = _op_inputs(CHUNK, q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs, backend,
+                                       use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    o, final, _ = _chunk_op(q, k, v, g, beta, initial_state, gates.A_log, gates.dt_bias, cu_seqlens, scale,
+                            bool(output_final_state), bool(use_qk_l2norm_in_kernel), gates.gate, gates.beta_sigmoid,
+                            backend, _library.grad_mask(q, k, v, g, beta, initial_state, gates.A_log, gates.dt_bias),
+                            torch.compiler.is_compiling())
     return o.to(out_dtype), (final if output_final_state else None)
 
 
@@ -148,9 +147,9 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     ``initial_state``): the final state is written over ``initial_state`` and that tensor is returned, as a
     decoding cache that replaces its state wants (the Triton kernel writes it in place; other backends copy)."""
     out_dtype = q.dtype
-    q, k, v, g, beta, scale = _op_inputs(RECURRENT, q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs,
-                                         backend, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
-    mask = _library.grad_mask(q, k, v, g, beta, initial_state)
+    q, k, v, scale, gates = _op_inputs(RECURRENT, q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs,
+                                       backend, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    mask = _library.grad_mask(q, k, v, g, beta, initial_state, gates.A_log, gates.dt_bias)
     inplace = bool(inplace_final_state) and bool(output_final_state)
     if inplace:
         if initial_state is None:
@@ -163,18 +162,19 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                        "(an input requires grad); call it under torch.no_grad()")
     compiling = torch.compiler.is_compiling()
     # a compiled graph's custom op declares no mutation: there the public op copies instead (below)
-    o, final, _ = _recurrent_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state),
-                                bool(use_qk_l2norm_in_kernel), backend, mask, compiling, inplace and not compiling)
+    o, final, _ = _recurrent_op(q, k, v, g, beta, initial_state, gates.A_log, gates.dt_bias, cu_seqlens, scale,
+                                bool(output_final_state), bool(use_qk_l2norm_in_kernel), gates.gate,
+                                gates.beta_sigmoid, backend, mask, compiling, inplace and not compiling)
     if inplace and final is not initial_state:
         final = initial_state.copy_(final)
     return o.to(out_dtype), (final if output_final_state else None)
 
 
-_GDN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state")
+_GDN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 
-def _gdn_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel,
-              backend, grad_mask, validate, inplace=False):
+def _gdn_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, output_final_state,
+              use_qk_l2norm_in_kernel, gate, beta_sigmoid, backend, grad_mask, validate, inplace=False):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     final = None
@@ -184,35 +184,45 @@ def _gdn_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_s
     return _library.fake_outputs(q.new_empty(B, T, HV, V), final, like=q)
 
 
-def _gdn_run(op, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2, backend, grad_mask,
-             validate, inplace=False):
+def _gdn_run(op, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, output_final_state, l2, gate,
+             beta_sigmoid, backend, grad_mask, validate, inplace=False):
     if validate and cu_seqlens is not None:
         _library.named_errors(op, check.cu_seqlens, cu_seqlens, q.shape[0], q.shape[1])
     impl = _library.select(op, backend, grad_mask, q, k, v, g, beta, initial_state)
     # an implementation that can write the final state over the initial one does (the caller copies otherwise)
     extra = {"inplace_final_state": True} if inplace and getattr(impl, "inplace_final_state", False) else {}
+    # FLA's gate options: inside the kernels of an implementation that takes them, else computed here in torch
+    # (recorded by autograd with the backend's own graph)
+    fused = (gate or beta_sigmoid) and getattr(impl, "gates_in_kernel", False)
 
-    def run(q_, k_, v_, g_, b_, h0):
-        o, final = impl(q_, k_, v_, g_, b_, scale, h0, output_final_state, l2, cu_seqlens, **extra)
+    def run(q_, k_, v_, g_, b_, h0, a_log, dtb):
+        gates = Gates(a_log, dtb, gate, beta_sigmoid)
+        if fused:
+            o, final = impl(q_, k_, v_, g_, b_, scale, h0, output_final_state, l2, cu_seqlens, gates=gates, **extra)
+        else:
+            g_, b_ = in_torch(g_, b_, gates)
+            o, final = impl(q_, k_, v_, g_, b_, scale, h0, output_final_state, l2, cu_seqlens, **extra)
         return o, (final if output_final_state else None)
 
-    return _library.run_forward([q, k, v, g, beta, initial_state], grad_mask, run, q.device.type)
+    return _library.run_forward([q, k, v, g, beta, initial_state, A_log, dt_bias], grad_mask, run, q.device.type)
 
 
 @_library.define(CHUNK, _GDN_TENSORS, _gdn_fake)
 def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
-              output_final_state: bool, use_qk_l2norm_in_kernel: bool, backend: str | None, grad_mask: list[bool],
+              initial_state: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+              cu_seqlens: torch.Tensor | None, scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+              gate: bool, beta_sigmoid: bool, backend: str | None, grad_mask: list[bool],
               validate: bool) -> list[torch.Tensor]:
-    return _gdn_run(CHUNK, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                    use_qk_l2norm_in_kernel, backend, grad_mask, validate)
+    return _gdn_run(CHUNK, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, output_final_state,
+                    use_qk_l2norm_in_kernel, gate, beta_sigmoid, backend, grad_mask, validate)
 
 
 @_library.define(RECURRENT, _GDN_TENSORS, _gdn_fake)
 def _recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
-                  output_final_state: bool, use_qk_l2norm_in_kernel: bool, backend: str | None,
+                  initial_state: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                  cu_seqlens: torch.Tensor | None, scale: float, output_final_state: bool,
+                  use_qk_l2norm_in_kernel: bool, gate: bool, beta_sigmoid: bool, backend: str | None,
                   grad_mask: list[bool], validate: bool, inplace: bool) -> list[torch.Tensor]:
     """``inplace``: the final state may be written over ``initial_state`` (eager inference calls only)."""
-    return _gdn_run(RECURRENT, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                    use_qk_l2norm_in_kernel, backend, grad_mask, validate, inplace)
+    return _gdn_run(RECURRENT, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, output_final_state,
+                    use_qk_l2norm_in_kernel, gate, beta_sigmoid, backend, grad_mask, validate, inplace)

@@ -15,6 +15,7 @@ import triton.language as tl
 from deltafuse.config import triton_interpreting
 from deltafuse.ops._checks import host_offsets
 from deltafuse.ops.gated_delta.chunk_options import INV_MODES, PROD_MODES, ChunkOptions, StageHook
+from deltafuse.ops.gated_delta.gates import NONE, Gates
 from deltafuse.ops.gated_delta.kernel_bwd import _bwd_out, _bwd_reduce, _bwd_wy, _dv_local, _state_bwd
 from deltafuse.ops.gated_delta.kernel_fwd import _intra_fwd, _l2norm_rstd, _state_fwd
 from deltafuse.ops.gated_delta.kernel_out import _out_fwd
@@ -125,7 +126,23 @@ def _rstd(q, k, L2, cfg):
     return rq, rk
 
 
-def prepare(k, rk, v, g, beta, plan, cfg, L2, store_t):
+def _gate_args(gates: Gates, dummy: torch.Tensor) -> dict:
+    """The kernels' gate arguments: the A_log and dt_bias pointers (``dummy`` where unused) and the switches."""
+    return dict(alog_ptr=gates.A_log if gates.gate else dummy,
+                dtb_ptr=gates.dt_bias if gates.gate and gates.dt_bias is not None else dummy,
+                GATE=gates.gate, HAS_DT=gates.gate and gates.dt_bias is not None)
+
+
+def _gate_grads(gates: Gates, pa: torch.Tensor, pd: torch.Tensor) -> tuple:
+    """(dA_log, d dt_bias) from the chunks' parts [NC, HV] that ``_bwd_out`` wrote (None where there is none)."""
+    if not gates.gate:
+        return None, None
+    return pa.sum(0), (pd.sum(0) if gates.dt_bias is not None else None)
+
+
+def prepare(k, rk, v, g, beta, plan, cfg, L2, store_t, gates: Gates = NONE):
+    """gc (the in-chunk cumulative gate, fp32), w, u and T (when ``store_t``) of every chunk; with ``gates``, g
+    and beta are raw (see gates.py) and the kernel computes the gate and beta from them."""
     TT, H, K = k.shape
     HV, V = v.shape[-2:]
     dev = k.device
@@ -137,6 +154,7 @@ def prepare(k, rk, v, g, beta, plan, cfg, L2, store_t):
         _intra_fwd[(plan.NC, HV)](k, rk if L2 else gc, v, g, beta, gc, w, u, tinv if store_t else gc, plan.chunks,
                                   H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=cfg.bv["intra"], L2=L2, STORE_T=store_t,
                                   MODE=cfg.intra_mode, INV=cfg.INV, PREC=cfg.PREC, DT=cfg.DT,
+                                  BSIG=gates.beta_sigmoid, **_gate_args(gates, gc),
                                   num_warps=cfg.nw["intra"], num_stages=cfg.stages)
     cfg.mark("intra")
     return gc, w, u, tinv
@@ -191,14 +209,15 @@ def output(q, k, rq, rk, gc, hs, vn, o, plan, scale, cfg, fc, L2):
 
 
 def forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan, options: ChunkOptions,
-            stage_hook: StageHook | None = None):
-    """o (and the final state when ``want_ht``) of the flattened inputs, with ``options``."""
+            stage_hook: StageHook | None = None, gates: Gates = NONE):
+    """o (and the final state when ``want_ht``) of the flattened inputs, with ``options``; with ``gates`` g and
+    beta are raw (gates.py)."""
     TT, H, K = q.shape
     HV, V = v.shape[-2:]
     cfg = PassConfig(q.dtype, K, V, "fwd", options, stage_hook)
     fc = ForwardConfig(cfg, q.dtype == torch.float32, K, V)
     rq, rk = _rstd(q, k, L2, cfg)
-    gc, w, u, _ = prepare(k, rk, v, g, beta, plan, cfg, L2, False)
+    gc, w, u, _ = prepare(k, rk, v, g, beta, plan, cfg, L2, False, gates)
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=q.device, dtype=cfg.store)
     ht = torch.empty(plan.N, HV, K, V, device=q.device, dtype=torch.float32) if want_ht else None
     # v' is written over u (same dtype and layout; each program reads its u tile before writing it)
@@ -211,9 +230,11 @@ def forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan, options: ChunkOption
 
 
 def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: ChunkOptions,
-             stage_hook: StageHook | None = None):
-    """(dq, dk, dv, dg, dbeta, dh0) of the flattened inputs, with ``options`` (those of the forward: its sequential
-    pass is recomputed with the forward's tiles and products)."""
+             stage_hook: StageHook | None = None, gates: Gates = NONE):
+    """(dq, dk, dv, dg, dbeta, dh0, dA_log, d dt_bias) of the flattened inputs, with ``options`` (those of the
+    forward: its sequential pass is recomputed with the forward's tiles and products). With ``gates`` (those of the
+    forward) dg and dbeta are those of the raw inputs, and dA_log / d dt_bias fp32 [HV] where the gate applies
+    (else None)."""
     TT, H, K = q.shape
     HV, V = v.shape[-2:]
     G = HV // H
@@ -236,7 +257,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
 
     common = dict(H=H, HV=HV, K=K, V=V, BK=cfg.BK, L2=L2, PREC=cfg.PREC, DT=cfg.DT)
     rq, rk = _rstd(q, k, L2, cfg)
-    gc, w, u, tinv = prepare(k, rk, v, g, beta, plan, cfg, L2, True)
+    gc, w, u, tinv = prepare(k, rk, v, g, beta, plan, cfg, L2, True, gates)
     rq, rk = (rq, rk) if L2 else (gc, gc)
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
     vn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
@@ -264,18 +285,24 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     dv = torch.empty_like(v)
     dg = torch.empty(g.shape, device=dev, dtype=g.dtype)
     db = torch.empty(beta.shape, device=dev, dtype=beta.dtype)
+    # this chunk's parts of dA_log and d dt_bias ([NC, HV], written by _bwd_out when the gate is in the kernel)
+    pa = torch.empty(max(plan.NC, 1), HV, device=dev, dtype=torch.float32) if gates.gate else gc
+    pd = torch.empty(max(plan.NC, 1), HV, device=dev, dtype=torch.float32) if gates.gate else gc
     if not plan.NC:
         dq, dk = torch.zeros_like(q), torch.zeros_like(k)
         for t in (dv, dg, db):
             t.zero_()
-        return dq, dk, dv, dg, db, dh0
+        pa.zero_()
+        pd.zero_()
+        dgates = _gate_grads(gates, pa, pd)
+        return dq, dk, dv, dg, db, dh0, *dgates
     # Per-value-head partials of dkhat (and of dqhat when G > 1), [TT, HV, K]: _bwd_wy writes the WY part of
     # dkhat, _bwd_out adds its terms (or, with G = 1, finishes dq and dk itself), _bwd_reduce sums the groups.
     part_dtype = torch.float32 if (full or opts.bwd_partials == "fp32") else q.dtype
     dgc = torch.empty(TT, HV, device=dev, dtype=torch.float32)
     dkp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
     _bwd_wy[(plan.NC * HV,)](k, rk, v, beta, gc, tinv, hs, dvn, dv, db, dgc, dkp, plan.chunks, BV=cfg.bv["wy"],
-                             MODE=mode("prod_wy"), **common, num_warps=cfg.nw["wy"],
+                             MODE=mode("prod_wy"), BSIG=gates.beta_sigmoid, **common, num_warps=cfg.nw["wy"],
                              num_stages=stages(opts.stages_wy))
     cfg.mark("bwd_wy")
     del dvn, tinv
@@ -286,6 +313,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
         dq = dk = gc  # written by _bwd_reduce
         dqp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
     _bwd_out[(plan.NC * HV,)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkp, dqp, dq, dk, dg, plan.chunks, scale,
+                              g, pa_ptr=pa, pd_ptr=pd, **_gate_args(gates, gc),
                               BV=cfg.bv["bo"], MODE=mode("prod_bo"), TWO_PASS=opts.bo_two_pass, **common,
                               num_warps=cfg.nw["bo"], num_stages=stages(opts.stages_bo))
     cfg.mark("bwd_out")
@@ -296,4 +324,4 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
         _bwd_reduce[(triton.cdiv(TT, bt), H)](q, k, rq, rk, dqp, dkp, dq, dk, TT, H=H, HV=HV, K=K, BK=cfg.BK,
                                               BT=bt, L2=L2, num_warps=warps(opts.warps_red))
         cfg.mark("bwd_reduce")
-    return dq, dk, dv, dg, db, dh0
+    return dq, dk, dv, dg, db, dh0, *_gate_grads(gates, pa, pd)

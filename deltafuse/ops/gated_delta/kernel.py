@@ -49,6 +49,10 @@ tiles.
 The backward recomputes w, u, the chunk states and v' from the inputs instead of keeping them from the
 forward pass, so only the inputs are saved between forward and backward.
 
+FLA's in-kernel gate options (``gates=``, gates.py) are computed where g and beta are read: ``_intra_fwd`` turns
+the raw gate a into g = -exp(A_log) softplus(a + dt_bias) and logits into beta = sigmoid(beta); ``_bwd_wy`` and
+``_bwd_out`` write the gradients of the raw inputs, and ``_bwd_out`` each chunk's part of dA_log and d dt_bias.
+
 All sequences, batched or packed (``cu_seqlens``), go through one flattened token axis: a batch of B
 sequences of length T is the packed batch with boundaries 0, T, 2T, ...; a chunk never crosses a
 sequence boundary.
@@ -65,6 +69,7 @@ import torch
 from deltafuse.ops.gated_delta import chunk_launch as launch
 from deltafuse.ops.gated_delta.chunk_options import (DEFAULT_OPTIONS, ChunkOptions, StageHook, configured,
                                                      options_in_effect, resolve)
+from deltafuse.ops.gated_delta.gates import NONE, Gates
 
 # the tunables' names, for callers that reach them through the op's entry (benchmarks, tests)
 __all__ = ["ChunkOptions", "DEFAULT_OPTIONS", "chunk_gated_delta_rule_triton", "configured", "options_in_effect"]
@@ -73,7 +78,7 @@ __all__ = ["ChunkOptions", "DEFAULT_OPTIONS", "chunk_gated_delta_rule_triton", "
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens, options,
-                stage_hook):
+                stage_hook, A_log, dt_bias, gate, beta_sigmoid):
         B, T, H, K = q.shape
         HV, V = v.shape[-2:]
         plan = launch.plan_for(B, T, cu_seqlens, q.device)
@@ -83,16 +88,18 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         gf = g.reshape(B * T, HV).contiguous()
         bf = beta.reshape(B * T, HV).contiguous()
         h0 = initial_state.contiguous() if initial_state is not None else None
-        o, ht = launch.forward(qf, kf, vf, gf, bf, scale, h0, output_final_state, l2, plan, options, stage_hook)
-        ctx.save_for_backward(qf, kf, vf, gf, bf, h0)
-        ctx.meta = (B, T, scale, l2, plan, initial_state is not None)
+        gates = Gates(A_log.contiguous() if gate else None, dt_bias.contiguous() if gate and dt_bias is not None
+                      else None, gate, beta_sigmoid)
+        o, ht = launch.forward(qf, kf, vf, gf, bf, scale, h0, output_final_state, l2, plan, options, stage_hook, gates)
+        ctx.save_for_backward(qf, kf, vf, gf, bf, h0, gates.A_log, gates.dt_bias)
+        ctx.meta = (B, T, scale, l2, plan, initial_state is not None, gate, beta_sigmoid)
         ctx.options, ctx.stage_hook = options, stage_hook  # the backward runs with the forward's
         return o.view(B, T, HV, V), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        qf, kf, vf, gf, bf, h0 = ctx.saved_tensors
-        B, T, scale, l2, plan, has_h0 = ctx.meta
+        qf, kf, vf, gf, bf, h0, A_log, dt_bias = ctx.saved_tensors
+        B, T, scale, l2, plan, has_h0, gate, beta_sigmoid = ctx.meta
         H, K = qf.shape[-2:]
         HV, V = vf.shape[-2:]
         if do is None:
@@ -100,17 +107,21 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         do = do.reshape(B * T, HV, V).contiguous()
         if dht is not None:
             dht = dht.contiguous()
-        dq, dk, dv, dg, db, dh0 = launch.backward(qf, kf, vf, gf, bf, scale, h0, do, dht, l2, plan,
-                                                  has_h0 and ctx.needs_input_grad[6], ctx.options, ctx.stage_hook)
+        dq, dk, dv, dg, db, dh0, dA, ddt = launch.backward(
+            qf, kf, vf, gf, bf, scale, h0, do, dht, l2, plan, has_h0 and ctx.needs_input_grad[6], ctx.options,
+            ctx.stage_hook, Gates(A_log, dt_bias, gate, beta_sigmoid))
         return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V), dg.view(B, T, HV),
-                db.view(B, T, HV), None, dh0, None, None, None, None, None)
+                db.view(B, T, HV), None, dh0, None, None, None, None, None,
+                None if dA is None else dA.to(A_log.dtype), None if ddt is None else ddt.to(dt_bias.dtype),
+                None, None)
 
 
 def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                   beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None = None,
                                   output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                                   cu_seqlens: torch.Tensor | None = None, *, options: ChunkOptions | None = None,
-                                  stage_hook: StageHook | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                  stage_hook: StageHook | None = None,
+                                  gates: Gates | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked gated delta rule (forward and backward) in Triton.
 
     q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (value head hv reads q/k head
@@ -123,6 +134,9 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     ``DEFAULT_OPTIONS``); ``stage_hook``: called with each stage's name after its kernel launch, forward and
     backward (default: the ``configured`` block's, else none). Both are read once, here: the backward of this
     call runs with them whatever is in effect when it runs.
+
+    ``gates``: FLA's in-kernel gate options (gates.py), computed inside the kernels: g then holds the raw gate a
+    (its dtype kept) and beta logits; A_log and dt_bias get gradients.
     """
     K = q.shape[-1]
     if K > 256:
@@ -131,5 +145,10 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise ValueError(f"chunk_gated_delta_rule_triton: q.dtype={q.dtype} is not supported; "
                          f"allowed: {sorted(str(d) for d in launch.TL_DTYPES)}")
     options, stage_hook = resolve(options, stage_hook)
+    gates = NONE if gates is None else gates
     return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, float(scale), initial_state, bool(output_final_state),
-                                      bool(use_qk_l2norm_in_kernel), cu_seqlens, options, stage_hook)
+                                      bool(use_qk_l2norm_in_kernel), cu_seqlens, options, stage_hook, gates.A_log,
+                                      gates.dt_bias, bool(gates.gate), bool(gates.beta_sigmoid))
+
+
+chunk_gated_delta_rule_triton.gates_in_kernel = True  # takes ``gates=`` (gates.py)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_x, _dot_xa, _rows, chunk_tokens, sequence_program
+from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _rows, chunk_tokens, gate_terms,
+                                                sequence_program, sigmoid)
 
 # --------------------------------------------------------------------------------------------------
 # backward device helpers
@@ -136,10 +137,10 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
 def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, dv_ptr, db_ptr, dgc_ptr, dkp_ptr,
             chunks_ptr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
             BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-            MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+            MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, BSIG: tl.constexpr):
     """Back through v' = u - w h, w = T diag(beta exp(gc)) khat, u = T diag(beta) v and T = (I + A)^-1:
-    dv and dbeta (complete), the WY part of dgc and the WY part of dkhat, which starts this value head's dk
-    partial (``dkp``; ``_bwd_out`` adds the rest)."""
+    dv and dbeta (complete; with BSIG beta holds logits and db is theirs), the WY part of dgc and the WY part of
+    dkhat, which starts this value head's dk partial (``dkp``; ``_bwd_out`` adds the rest)."""
     # one grid axis, value heads fastest: the value heads of one q/k head read the same k rows back to back
     pid = tl.program_id(0)
     hv = pid % HV
@@ -153,6 +154,8 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
     gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
     b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
+    if BSIG:
+        b = tl.where(valid, sigmoid(b), 0.0)
     # T^T, transposed on load (swapped strides): no transpose of a tile in registers
     Tt = tl.load(tinv_ptr + tok[None, :] * (HV * 64) + hv * 64 + rows[:, None], mask=valid[None, :], other=0.0)
     dwa = tl.zeros([64, BK], dtype=tl.float32)
@@ -194,6 +197,8 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     # operand side) with p, whose result is transposed back: p itself is never a transposed dot operand
     dk += _mix_a(p * rk[None, :], k, MODE, PREC, DT)
     dk += tl.trans(_mix_b(tl.trans(k), p * rk[:, None], MODE, PREC, DT))
+    if BSIG:
+        db = db * b * (1.0 - b)
     tl.store(db_ptr + tok * HV + hv, db.to(db_ptr.dtype.element_ty), mask=valid)
     tl.store(dgc_ptr + tok * HV + hv, dgc, mask=valid)
     tl.store(dkp_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], dk.to(dkp_ptr.dtype.element_ty), mask=mk)
@@ -201,11 +206,15 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
 
 @triton.jit
 def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_ptr, dgc_ptr, dkp_ptr, dqp_ptr,
-             dq_ptr, dk_ptr, dg_ptr, chunks_ptr, scale,
+             dq_ptr, dk_ptr, dg_ptr, chunks_ptr, scale, g_ptr, alog_ptr, dtb_ptr, pa_ptr, pd_ptr,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-             MODE: tl.constexpr, TWO_PASS: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+             MODE: tl.constexpr, TWO_PASS: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+             GATE: tl.constexpr, HAS_DT: tl.constexpr):
     """Output and state terms of dq, dk and all of dg for one (chunk, value head).
+
+    GATE: g (``g_ptr``) holds FLA's raw gate a (``gate_terms``): dg is written for a, and this chunk's parts of
+    dA_log (sum of dg g) and of d dt_bias (sum of da) go to ``pa`` and ``pd`` [NC, HV] (summed by the caller).
 
     With one value head per q/k head (G = 1) dq and dk are finished here (back through the l2norm, cast).
     Otherwise this value head's dq partial is written to ``dqp`` and its dk terms are added to the WY part
@@ -287,6 +296,11 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
     dgc += tl.where(rows == last_row, tl.exp(gl) * tl.sum(dgl, 0) + tl.sum(e, 0), 0.0)
     dgc += tl.load(dgc_ptr + tok * HV + hv, mask=valid, other=0.0)
     dg = tl.cumsum(tl.where(valid, dgc, 0.0), 0, reverse=True)
+    if GATE:
+        x, A, g = gate_terms(g_ptr, alog_ptr, dtb_ptr, tok, valid, hv, HV, HAS_DT)
+        tl.store(pa_ptr + pid_c * HV + hv, tl.sum(tl.where(valid, dg * g, 0.0), 0))
+        dg = tl.where(valid, dg * A * sigmoid(x), 0.0)
+        tl.store(pd_ptr + pid_c * HV + hv, tl.sum(dg, 0))
     tl.store(dg_ptr + tok * HV + hv, dg.to(dg_ptr.dtype.element_ty), mask=valid)
 
 

@@ -235,23 +235,60 @@ def _l2norm_rstd(q_ptr, k_ptr, rq_ptr, rk_ptr, TT, H: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv_ptr, chunks_ptr,
+def softplus(x):
+    """log(1 + exp(x)) in fp32 as torch computes it (x itself above 20), without overflow for any x: exp's
+    argument is clamped, and log1p(e) = log(u) e / (u - 1) with u = 1 + e keeps the digits of e that u drops (e
+    itself where u rounds to 1: very negative x)."""
+    ex = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + ex
+    um1 = u - 1.0
+    l1p = tl.where(um1 == 0.0, ex, tl.log(u) * (ex / tl.where(um1 == 0.0, 1.0, um1)))
+    return tl.where(x > 20.0, x, l1p)
+
+
+@triton.jit
+def sigmoid(x):
+    """1 / (1 + exp(-x)) in fp32, without overflow for any x."""
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
+def gate_terms(g_ptr, alog_ptr, dtb_ptr, tok, valid, hv, HV: tl.constexpr, HAS_DT: tl.constexpr):
+    """FLA's in-kernel gate of one chunk's tokens and value head ``hv`` from the raw gate a: (x = a + dt_bias,
+    A = -exp(A_log), g = A softplus(x)), fp32, 0 on the tokens past the chunk."""
+    x = tl.load(g_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
+    if HAS_DT:
+        x += tl.load(dtb_ptr + hv).to(tl.float32)
+    A = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
+    return x, A, tl.where(valid, A * softplus(x), 0.0)
+
+
+@triton.jit
+def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv_ptr, chunks_ptr, alog_ptr, dtb_ptr,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, STORE_T: tl.constexpr,
-               MODE: tl.constexpr, INV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+               MODE: tl.constexpr, INV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+               GATE: tl.constexpr, HAS_DT: tl.constexpr, BSIG: tl.constexpr):
     """gc, A, T = (I + A)^-1 (stored when STORE_T), w and u of one chunk and value head. INV: how the diagonal
     16x16 blocks of T are inverted (_unit_lower_inverse); MODE: product mode (_dot_ma) of the fp32 T tiles
-    with the 16-bit k and v for w and u."""
+    with the 16-bit k and v for w and u. GATE: g holds the raw gate (``gate_terms``, with dt_bias when HAS_DT);
+    BSIG: beta holds logits (beta = sigmoid(beta))."""
     pid_c = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // (HV // H)
     start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
     rows = tl.arange(0, 64)
     ck = tl.arange(0, BK)
-    g = tl.load(g_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
+    if GATE:
+        _x, _A, g = gate_terms(g_ptr, alog_ptr, dtb_ptr, tok, valid, hv, HV, HAS_DT)
+    else:
+        g = tl.load(g_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
     gc = tl.cumsum(g, 0)
     tl.store(gc_ptr + tok * HV + hv, gc, mask=valid)
     b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
+    if BSIG:
+        b = tl.where(valid, sigmoid(b), 0.0)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
     k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :],
                 mask=valid[:, None] & (ck[None, :] < K), other=0.0)

@@ -19,6 +19,11 @@ q/k/v as strided views of the conv output: no ``.contiguous()`` copies), equal-l
 tensor (none is built), and the final state can be written over the initial one (``inplace_final_state``),
 which makes the cache's ``copy_`` of the new state a no-op (torch skips a copy onto itself) and halves the
 state traffic of a decoding step. Tile sizes and warps are fields of ``RecurrentOptions``.
+
+FLA's in-kernel gate options (``gates=Gates(...)``, see ``gates.py``) are computed here per token, in fp32, from
+what the call hands the kernel: with ``gate``, g holds the raw gate a and the decay is
+g = -exp(A_log[hv]) * softplus(a + dt_bias[hv]) (A_log and dt_bias read once per program); with
+``beta_sigmoid``, beta holds logits and beta = sigmoid(beta). Without them the kernel is the plain one.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import triton
 import triton.language as tl
 
 from deltafuse.config import triton_interpreting
+from deltafuse.ops.gated_delta.gates import Gates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,11 +136,12 @@ def _launch_config(N: int, HV: int, K: int, V: int, opts: RecurrentOptions, inte
 
 
 @triton.jit
-def _recurrent_fwd(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr, cu_ptr, scale, T,
-                   sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sb_b, sb_t,
+def _recurrent_fwd(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr, cu_ptr, alog_ptr, dtb_ptr, scale,
+                   T, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sb_b, sb_t,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STAGES: tl.constexpr):
+                   HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STAGES: tl.constexpr,
+                   GATE: tl.constexpr, HAS_DT: tl.constexpr, BSIG: tl.constexpr):
     # one grid axis, V blocks fastest: a second axis is limited to 65,535 programs, fewer than sequences x
     # heads of a row of many short sequences
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -171,12 +178,33 @@ def _recurrent_fwd(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr, 
         st = tl.load(h0_ptr + state_off, mask=mkv, other=0.0).to(tl.float32)
     else:
         st = tl.zeros([BK, BV], dtype=tl.float32)
+    if GATE:  # per head: -exp(A_log) and dt_bias, once per program
+        neg_a = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
+        if HAS_DT:
+            dtb = tl.load(dtb_ptr + hv).to(tl.float32)
     for t in tl.range(0, length, num_stages=STAGES):
         q = tl.load(p_q + t * sq_t + ck, mask=mk, other=0.0).to(tl.float32)
         k = tl.load(p_k + t * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
         v = tl.load(p_v + t * sv_t + cv, mask=mv, other=0.0).to(tl.float32)
-        d = tl.exp(tl.load(p_g + t * sg_t).to(tl.float32))
+        if GATE:  # g holds the raw gate a: g = -exp(A_log) * softplus(a + dt_bias)
+            x = tl.load(p_g + t * sg_t).to(tl.float32)
+            if HAS_DT:
+                x = x + dtb
+            # softplus as torch's: x itself above 20, else log1p(exp(x)); exp's argument is clamped (no
+            # overflow), and log1p(e) = log(u) * e / (u - 1) with u = 1 + e keeps e's digits that u drops
+            # (e itself where u rounds to 1: very negative x)
+            ex = tl.exp(tl.minimum(x, 20.0))
+            u = 1.0 + ex
+            um1 = u - 1.0
+            l1p = tl.where(um1 == 0.0, ex, tl.log(u) * (ex / tl.where(um1 == 0.0, 1.0, um1)))
+            sp = tl.where(x > 20.0, x, l1p)
+            d = tl.exp(neg_a * sp)
+        else:
+            d = tl.exp(tl.load(p_g + t * sg_t).to(tl.float32))
         b = tl.load(p_b + t * sb_t).to(tl.float32)
+        if BSIG:  # beta holds logits: sigmoid, through exp(-|x|) (never overflows)
+            eb = tl.exp(-tl.abs(b))
+            b = tl.where(b >= 0, 1.0 / (1.0 + eb), eb / (1.0 + eb))
         if L2:
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
             k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
@@ -205,6 +233,7 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
                                             cu_seqlens: torch.Tensor | None = None,
                                             inplace_final_state: bool = False,
                                             options: RecurrentOptions | None = None,
+                                            gates: Gates | None = None,
                                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule one token at a time (decoding), forward only; use under ``torch.no_grad()``.
 
@@ -218,9 +247,21 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
     the final state over ``initial_state`` and returns that tensor: what a decoding cache that replaces its
     state with the new one wants (no allocation, and the cache's copy of the result onto its state is a copy
     onto itself). ``options``: the tunables (default: those in effect, see ``configured``), read once, here.
+
+    ``gates``: FLA's in-kernel gate options (``Gates``), computed in the kernel in fp32: with ``gates.gate``, g
+    holds the raw gate a and the decay is -exp(A_log) * softplus(a + dt_bias) (A_log, dt_bias [HV], any float
+    dtype; dt_bias may be None); with ``gates.beta_sigmoid``, beta holds logits. None: g and beta as they are.
     """
+    gate = gates is not None and bool(gates.gate)
+    bsig = gates is not None and bool(gates.beta_sigmoid)
+    a_log = gates.A_log if gate else None
+    dt_bias = gates.dt_bias if gate else None
+    if gate and a_log is None:
+        raise ValueError("fused_recurrent_gated_delta_rule_triton: gates.gate=True needs gates.A_log ([HV]); "
+                         "got A_log=None")
     if torch.is_grad_enabled():
-        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                        ("gates.A_log", a_log), ("gates.dt_bias", dt_bias)):
             if x is not None and x.requires_grad:
                 raise RuntimeError(
                     f"fused_recurrent_gated_delta_rule_triton: {name} requires grad, but this kernel has no "
@@ -243,6 +284,9 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
                              f"{str(initial_state.dtype).replace('torch.', '')} with strides "
                              f"{tuple(initial_state.stride())}")
     q, k, v, g, beta = (_strided(x) for x in (q, k, v, g, beta))
+    if gate:  # [HV], read at hv: a dense copy only of a strided one
+        a_log = a_log if a_log.is_contiguous() else a_log.contiguous()
+        dt_bias = dt_bias if dt_bias is None or dt_bias.is_contiguous() else dt_bias.contiguous()
     h0 = None if initial_state is None else initial_state.contiguous()
     o = torch.empty(B, T, HV, V, device=q.device, dtype=q.dtype)
     if inplace:
@@ -261,13 +305,16 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
     grid = (-(-V // BV) * N * HV,)
     sq, sk, sv, sg, sb = q.stride(), k.stride(), v.stride(), g.stride(), beta.stride()
     _recurrent_fwd[grid](q, k, v, g, beta, o if h0 is None else h0, o, o if ht is None else ht,
-                         o if cu_seqlens is None else cu_seqlens, float(scale), T,
+                         o if cu_seqlens is None else cu_seqlens, o if a_log is None else a_log,
+                         o if dt_bias is None else dt_bias, float(scale), T,
                          sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sg[0], sg[1], sb[0], sb[1],
                          H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=bool(use_qk_l2norm_in_kernel),
                          IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-                         STAGES=stages, num_warps=warps)
+                         STAGES=stages, GATE=gate, HAS_DT=dt_bias is not None, BSIG=bsig, num_warps=warps)
     return o, ht
 
 
 # the op layer passes inplace_final_state=True only to implementations that declare they take it
 fused_recurrent_gated_delta_rule_triton.inplace_final_state = True
+# ... and ``gates=`` (FLA's in-kernel gate options, computed in the kernel) only to those that declare that
+fused_recurrent_gated_delta_rule_triton.gates_in_kernel = True

@@ -137,6 +137,28 @@ def test_triton_chunk_computes_the_options_in_its_kernels(monkeypatch, gate, bet
         assert got["A_log"] is None and got["dt_bias"] is None
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["dt_bias", "no_dt_bias"])
+def test_triton_recurrent_computes_the_options_in_its_kernel(monkeypatch, with_bias):
+    """Decoding (no gradients): the public recurrent op hands the Triton kernel the raw gate and beta logits (the
+    torch formulas never run); o and the final state against the float64 oracle."""
+    from deltafuse.ops.gated_delta import api
+
+    def no_torch_gates(*args):
+        raise AssertionError("the gate options were computed in torch, not in the Triton kernel")
+
+    monkeypatch.setattr(api, "in_torch", no_torch_gates)
+    x = _inputs(seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    ro, rf = _oracle(x, with_bias)
+    f = {n: t.float() for n, t in x.items()}
+    with torch.no_grad():
+        o, final = ops.fused_recurrent_gated_delta_rule(
+            f["q"], f["k"], f["v"], f["a"], f["b"], initial_state=f["h0"], output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=f["A_log"],
+            dt_bias=f["dt_bias"] if with_bias else None, use_beta_sigmoid_in_kernel=True, backend="triton")
+    assert_rel_close(o, ro, 2e-5, "o")
+    assert_rel_close(final, rf, 2e-5, "final state")
+
+
 @pytest.mark.parametrize("name,backend", [("chunk", "torch"), ("chunk", "triton"), ("recurrent", "torch")])
 def test_v_in_another_dtype_than_q_and_k(name, backend):
     """fp32 q/k with fp16 v (FLA accepts it): computed in fp32, o in q's dtype, equal to the all-fp32 call on the

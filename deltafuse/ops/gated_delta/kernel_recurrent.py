@@ -39,6 +39,7 @@ import triton.language as tl
 
 from deltafuse.config import triton_interpreting
 from deltafuse.ops.gated_delta.gates import Gates
+from deltafuse.ops.gated_delta.kernel_fwd import sigmoid, softplus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,21 +191,12 @@ def _recurrent_fwd(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr, 
             x = tl.load(p_g + t * sg_t).to(tl.float32)
             if HAS_DT:
                 x = x + dtb
-            # softplus as torch's: x itself above 20, else log1p(exp(x)); exp's argument is clamped (no
-            # overflow), and log1p(e) = log(u) * e / (u - 1) with u = 1 + e keeps e's digits that u drops
-            # (e itself where u rounds to 1: very negative x)
-            ex = tl.exp(tl.minimum(x, 20.0))
-            u = 1.0 + ex
-            um1 = u - 1.0
-            l1p = tl.where(um1 == 0.0, ex, tl.log(u) * (ex / tl.where(um1 == 0.0, 1.0, um1)))
-            sp = tl.where(x > 20.0, x, l1p)
-            d = tl.exp(neg_a * sp)
+            d = tl.exp(neg_a * softplus(x))  # softplus as torch's (kernel_fwd.softplus)
         else:
             d = tl.exp(tl.load(p_g + t * sg_t).to(tl.float32))
         b = tl.load(p_b + t * sb_t).to(tl.float32)
-        if BSIG:  # beta holds logits: sigmoid, through exp(-|x|) (never overflows)
-            eb = tl.exp(-tl.abs(b))
-            b = tl.where(b >= 0, 1.0 / (1.0 + eb), eb / (1.0 + eb))
+        if BSIG:  # beta holds logits
+            b = sigmoid(b)
         if L2:
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
             k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)

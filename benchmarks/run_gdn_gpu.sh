@@ -27,6 +27,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gdn_gpu.txt"
 python3 -m pytest tests/ops/test_gdn_triton.py tests/ops/test_gdn_segments.py tests/ops/test_gdn_fla_options.py \
+    tests/ops/test_gdn_recurrent_gates.py \
     -m gpu -q -s 2>&1 | tee "$OUT/gdn_tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 benchmarks/bench_gdn.py --out "$OUT/gdn.json" "$@" 2>&1 | tee "$OUT/gdn_bench.log"

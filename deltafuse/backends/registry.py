@@ -23,7 +23,10 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # annotations only: the registry imports no torch of its own
+    import torch
 
 
 class BackendError(RuntimeError):

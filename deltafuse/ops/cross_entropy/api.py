@@ -46,11 +46,15 @@ def _check_num_items(num_items_in_batch, reduction):
                    f"got {num_items_in_batch!r}")
 
 
-def _head_inputs(hidden, weight, bias, targets, targets_name: str, kwargs: dict):
-    """Checks shared by the linear-head ops: (hidden, weight, bias) after autocast's cast, and the backend."""
-    backend = kwargs.pop("backend", None)
+def _head_inputs(hidden, weight, bias, targets, targets_name: str, kwargs: dict, op):
+    """Checks shared by the linear-head ops: (hidden, weight, bias) after autocast's cast. ``kwargs``: the keywords
+    the public function ``op`` did not take (an error naming them and the keywords it takes)."""
     if kwargs:
-        check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: backend")
+        import inspect
+
+        taken = [p.name for p in inspect.signature(op).parameters.values()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        check.fail(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed keywords: {', '.join(taken)}")
     check.tensor("hidden", hidden)
     if hidden.dim() < 1 or hidden.shape[-1] == 0:
         check.fail(f"hidden must be [..., H] with H > 0, got shape {check.shape(hidden)}")
@@ -114,7 +118,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     fp32 gradients through the cast), and the loss is computed as for inputs of that dtype: logits in it,
     softmax in fp32, loss fp32.
     """
-    hidden, weight, bias = _head_inputs(hidden, weight, bias, labels, "labels", kwargs)
+    hidden, weight, bias = _head_inputs(hidden, weight, bias, labels, "labels", kwargs, fused_linear_cross_entropy)
     H, V = hidden.shape[-1], weight.shape[0]
     if not isinstance(shift, bool):
         check.fail(f"shift must be True or False, got {shift!r}")
@@ -233,7 +237,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     'triton' or 'torch'. Autocast: as ``fused_linear_cross_entropy`` (inputs cast as for a linear layer, then
     computed in that dtype with fp32 statistics), which is also how TRL's function projects under autocast.
     """
-    hidden, weight, bias = _head_inputs(hidden, weight, bias, targets, "targets", kwargs)
+    hidden, weight, bias = _head_inputs(hidden, weight, bias, targets, "targets", kwargs, token_logprobs)
     H, V = hidden.shape[-1], weight.shape[0]
     if not (math.isfinite(temperature) and temperature > 0):
         check.fail(f"temperature must be a finite number > 0, got {temperature!r}")

@@ -26,7 +26,6 @@ Rows whose target is ``ignore_index`` give log-probability 0, entropy 0, top-1 F
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple
 
 import torch

@@ -237,6 +237,12 @@ def _imports_of(argv: list[str], heavy: tuple[str, ...]) -> tuple[int, list[str]
     (["train", "--bogus_flag", "1"], "unrecognized arguments: --bogus_flag 1"),  # not a TrainingArguments field
     (["bench", "e2e", "--max-steps", "0"], "argument --max-steps: 0 is too small"),
     (["bench", "e2e", "--bogus"], "deltafuse bench e2e: error: unrecognized arguments: --bogus"),
+    (["bench", "ops", "--bogus"], "deltafuse bench ops: error: unrecognized arguments: --bogus"),
+    (["bench", "ops", "--op", "nope"], "argument --op: invalid choice: 'nope' (choose from 'chunk_gated_delta_rule'"),
+    (["bench", "ops", "--shape", "1,80,2"], "argument --shape: '1,80,2' is not a shape; allowed: B,T,H,HV,D"),
+    (["bench", "ops", "--shape", "1,80,3,4,16"], "argument --shape: '1,80,3,4,16': HV=4 must be a multiple of H=3"),
+    (["bench", "ops", "--device", "gpu"], "argument --device: 'gpu' is not a device; allowed: auto, cpu, cuda, cuda:N"),
+    (["bench", "ops", "--tokens", "1"], "argument --tokens: 1 is too small; allowed: an integer >= 2"),
     (["verify", "--model", "nope"], "--model 'nope' is neither a known name (tiny,"),
     (["train", "--model", "nope"], "--model 'nope' is neither a known model name nor a directory"),
     (["verify", "--rtol", "nan"], "argument --rtol: 'nan' is not allowed"),
@@ -250,7 +256,6 @@ def test_a_bad_command_line_imports_neither_torch_nor_transformers(argv, words):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["bench", "ops", "--bogus"], "deltafuse bench ops: error: unrecognized arguments: --bogus"),  # ops' names: torch
     (["train", "--model", "nope", "--output-dir", "{tmp}/o"], "--model 'nope' is neither a known model name"),
     (["bench", "e2e", "--context-parallel", "2", "--output-dir", "{tmp}/o"], "--context-parallel 2 with bench e2e"),
 ])
@@ -262,7 +267,8 @@ def test_input_errors_are_refused_before_transformers_is_imported(argv, words, t
 
 
 def test_help_imports_neither_torch_nor_transformers():
-    for argv in (["--help"], ["train", "--help"], ["verify", "--help"], ["bench", "e2e", "--help"]):
+    for argv in (["--help"], ["train", "--help"], ["verify", "--help"], ["bench", "e2e", "--help"],
+                 ["bench", "ops", "--help"]):
         rc, imported, err = _imports_of(argv, HEAVY_AND_TORCH)
         assert (rc, imported, err) == (0, [], ""), argv
 

@@ -1,14 +1,14 @@
 """Shared pieces of the op benchmarks: model sizes, RoPE tables, Liger's counterparts of deltafuse's ops.
 
 Used by `deltafuse bench ops` and by the GPU scripts in ``benchmarks/`` (``bench_block_ops.py``,
-``bench_loss_moe.py``), so that every benchmark times the same cases.
+``bench_loss_moe.py``), so that every benchmark times the same cases. Torch is imported inside the functions
+that use it: ``deltafuse bench ops``'s arguments (``ops_args``) read the sizes' token counts for their help
+without importing torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ CPU_SIZES = Sizes(tokens=64, hidden=64, head_dim=32, q_heads=4, kv_heads=2, line
 
 def rope_cos_sin(tokens: int, rotary_dim: int, device, dtype, base: float = 10_000.0):
     """cos, sin of shape [1, tokens, rotary_dim] as the text rotary embedding returns them (rotate-half layout)."""
+    import torch
+
     pos = torch.arange(tokens, device=device, dtype=torch.float32)
     inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
     freqs = pos[:, None] * inv
@@ -68,6 +70,7 @@ def liger_rms_norm(dim: int, eps: float):
 def liger_partial_rope(rotary_dim: int):
     """Liger's RoPE applied to the rotary slice of each head, the other channels concatenated back (Liger
     rotates the whole head, Qwen3.5 only the first ``rotary_dim`` channels)."""
+    import torch
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
     def apply(q, k, cos, sin):
@@ -86,6 +89,7 @@ def liger_swiglu():
 
 def liger_fused_linear_cross_entropy(ignore_index: int = -100):
     """fn(hidden [..., T, H], weight [V, H], labels [..., T]) -> mean loss, with transformers' causal shift."""
+    import torch
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
     loss = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index)

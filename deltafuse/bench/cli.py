@@ -1,7 +1,8 @@
 """Arguments of `deltafuse bench e2e|ops` and its entry point (`run(args) -> exit code`).
 
-Only the chosen benchmark's arguments are built (``bench e2e`` needs neither torch nor transformers to check its
-command line; ``bench ops`` imports torch for the names of the ops it can time).
+Only the chosen benchmark's arguments are built, and neither needs torch nor transformers to check its command
+line: ``bench e2e``'s are the training flags, ``bench ops``'s (``ops_args``) name the ops it can time as data;
+``deltafuse.bench.ops`` (torch, the backend registry) is imported only to run the benchmark.
 """
 
 from __future__ import annotations
@@ -43,12 +44,18 @@ def _e2e_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(bench_func=e2e.run_e2e)
 
 
-def _ops_arguments(parser: argparse.ArgumentParser) -> None:
+def _run_ops(args) -> list[dict]:
     from deltafuse.bench import ops
 
-    ops.add_arguments(parser)
+    return ops.run_ops(args)
+
+
+def _ops_arguments(parser: argparse.ArgumentParser) -> None:
+    from deltafuse.bench import ops_args
+
+    ops_args.add_arguments(parser)
     parser.epilog = OPS_EPILOG
-    parser.set_defaults(bench_func=ops.run_ops)
+    parser.set_defaults(bench_func=_run_ops)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,6 @@ measured. Each row also gives the largest absolute difference of the forward out
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,20 +30,14 @@ import time
 
 import torch
 
-from deltafuse.argtypes import int_at_least
 from deltafuse.backends import REGISTRY, probes
 from deltafuse.bench.cases import CPU_SIZES, QWEN35_35B_A3B, Sizes, rope_cos_sin
 from deltafuse.bench.impls import (CHUNK_GDN, implementations, lifted_fla_hopper_guard, selected_backend,
                                    sized_implementations)
+from deltafuse.bench.ops_args import CPU_SHAPES, DEVICES, GDN_OPS, GPU_SHAPES, SIZED_DIMS, parse_shape
 from deltafuse.train.errors import TrainInputError
 
-GDN_OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
-           "causal_conv1d_update")
-CPU_SHAPES = ("1,512,4,8,32",)
-GPU_SHAPES = ("1,4096,16,32,128", "1,16384,16,32,128", "8,2048,16,32,128", "1,65536,16,32,128")
 CONV_WIDTH = 4
-GPU_TOKENS = QWEN35_35B_A3B.tokens
-CPU_TOKENS = CPU_SIZES.tokens
 # ops Liger-Kernel has a kernel for (compared on CUDA)
 LIGER_OPS = ("rms_norm_zero_centered", "apply_rotary_pos_emb", "swiglu", "fused_linear_cross_entropy")
 # ops deltafuse routes only on some device types (elsewhere the model's own function runs, untouched)
@@ -72,22 +65,6 @@ def routed_ops() -> tuple[str, ...]:
     return tuple(REGISTRY.ops)
 
 
-OPS = routed_ops()
-
-
-def _shape(text: str) -> tuple[int, int, int, int, int]:
-    try:
-        dims = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        dims = ()
-    if len(dims) != 5 or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a shape; allowed: B,T,H,HV,D with positive integers, "
-                                         "e.g. 1,4096,16,32,128")
-    if dims[3] % dims[2]:
-        raise argparse.ArgumentTypeError(f"{text!r}: HV={dims[3]} must be a multiple of H={dims[2]}")
-    return dims
-
-
 # --- inputs ------------------------------------------------------------------------------------------
 def make_inputs(op: str, shape, dtype, device, seed: int = 0) -> dict:
     B, T, H, HV, D = shape
@@ -108,18 +85,6 @@ def make_inputs(op: str, shape, dtype, device, seed: int = 0) -> dict:
         return {"x": rnd(B, C, T), "weight": rnd(C, CONV_WIDTH, scale=0.5), "bias": rnd(C, scale=0.1)}
     return {"x": rnd(B, C, 1), "conv_state": rnd(B, C, CONV_WIDTH), "weight": rnd(C, CONV_WIDTH, scale=0.5),
             "bias": rnd(C, scale=0.1)}
-
-
-# Ops timed at model sizes (``Sizes``), with the names of the dimensions their "shape" lists.
-SIZED_DIMS = {
-    "rms_norm_zero_centered": "N,D",
-    "rms_norm_gated": "N*HV,Dv",
-    "apply_rotary_pos_emb": "B,HQ,HK,T,D,rotary_dim",
-    "swiglu": "N,I",
-    "fused_linear_cross_entropy": "B,T,H,V",
-    "token_logprobs": "N,H,V",
-    "moe_experts": "N,H,E,k,I",
-}
 
 
 def sized_shape(op: str, s: Sizes) -> list[int]:
@@ -322,32 +287,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(x) for x in lines])
 
 
-# --- the command -------------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Per-op forward and forward+backward time (median) and peak memory of every op "
-                          "deltafuse routes: deltafuse's selected implementation vs the stock transformers code "
-                          "for the same computation, vs Liger-Kernel / flash-linear-attention / causal-conv1d "
-                          "(on CUDA, when installed) where they have the op.")
-    parser.add_argument("--op", action="append", choices=routed_ops(), default=None,
-                        help="op to time (repeatable; default: every op in deltafuse's registry)")
-    parser.add_argument("--shape", action="append", type=_shape, default=None, metavar="B,T,H,HV,D",
-                        help=f"shape of the GDN and conv ops ({', '.join(GDN_OPS)}) (repeatable; default: "
-                             f"{' '.join(CPU_SHAPES)} on CPU; on CUDA the Qwen3.5-35B-A3B GDN heads (H=16, HV=32, "
-                             f"D=128) at 4k to 64k tokens: {' '.join(GPU_SHAPES)})")
-    parser.add_argument("--tokens", metavar="N", type=int_at_least(2), default=None,
-                        help=f"tokens of the other ops' cases ({', '.join(SIZED_DIMS)}) (default: {GPU_TOKENS} "
-                             f"at Qwen3.5-35B-A3B sizes on CUDA, {CPU_TOKENS} at small sizes on CPU)")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
-                        help="input dtype (default auto: bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when available)")
-    parser.add_argument("--reps", metavar="N", type=int_at_least(1), default=5,
-                        help="timed repetitions on CPU / without Triton (default: 5)")
-    parser.add_argument("--fla-unguarded", action="store_true",
-                        help="set FLA's Hopper guard off so its backward can be timed (its gradients are wrong "
-                             "there; marked in the table)")
-    parser.add_argument("--output", default=None, metavar="JSON", help="also write the rows as JSON here")
-
-
+# --- the command (its arguments: ``ops_args``) -------------------------------------------------------
 def run_ops(args) -> list[dict]:
     from deltafuse.train.setup import DTYPES
 
@@ -357,13 +297,13 @@ def run_ops(args) -> list[dict]:
     try:
         device = torch.device(device_name)
     except RuntimeError:
-        raise TrainInputError(f"--device {args.device!r} is not a device; allowed: auto, cpu, cuda, cuda:N") from None
+        raise TrainInputError(f"--device {args.device!r} is not a device; allowed: {DEVICES}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainInputError(f"--device {args.device!r}: no CUDA device is available here; allowed: auto, cpu")
     if device.type not in ("cpu", "cuda"):
-        raise TrainInputError(f"--device {args.device!r}: allowed: auto, cpu, cuda, cuda:N")
+        raise TrainInputError(f"--device {args.device!r}: allowed: {DEVICES}")
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    shapes = args.shape or [_shape(s) for s in (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)]
+    shapes = args.shape or [parse_shape(s) for s in (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)]
     base_sizes = QWEN35_35B_A3B if device.type == "cuda" else CPU_SIZES
     sizes = base_sizes.with_tokens(args.tokens) if getattr(args, "tokens", None) else base_sizes
     if args.output and os.path.isdir(args.output):

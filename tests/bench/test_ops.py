@@ -60,3 +60,30 @@ def test_bench_ops_bad_shape_and_device(capsys):
     if not torch.cuda.is_available():
         assert main(["ops", "--device", "cuda"]) == 2
         assert "no CUDA device is available here" in capsys.readouterr().err
+
+
+def test_bench_ops_op_names_as_data_are_the_registrys_in_its_order():
+    """``--op``'s choices are data (checked without the registry); they are the registry's, in its order, and
+    every one of them has a case here or says why it has none."""
+    from deltafuse.bench import ops, ops_args
+
+    assert ops_args.OPS == tuple(REGISTRY.ops) == ops.routed_ops()
+    cased = set(ops_args.GDN_OPS) | set(ops_args.SIZED_DIMS) | set(ops.TIMED_ELSEWHERE) | set(ops.ROUTED_ONLY_ON)
+    assert cased == set(REGISTRY.ops)
+
+
+def test_bench_ops_device_argument():
+    import argparse
+
+    import pytest
+    import torch
+
+    from deltafuse.bench.ops_args import parse_device
+
+    for text in ("auto", "cpu", "cuda", "cuda:0", "cuda:13"):
+        assert parse_device(text) == text
+        assert text == "auto" or torch.device(text).type in ("cpu", "cuda")
+    for text in ("gpu", "xpu", "meta", "CUDA", "cuda:", "cuda:-1", "cuda:x", " cpu", "cpu:0", ""):
+        with pytest.raises(argparse.ArgumentTypeError) as err:
+            parse_device(text)
+        assert str(err.value) == f"{text!r} is not a device; allowed: auto, cpu, cuda, cuda:N"

@@ -33,7 +33,7 @@ SIZED_DIMS = {
     "token_logprobs": "N,H,V",
     "moe_experts": "N,H,E,k,I",
 }
-DEVICES = "auto, cpu, cuda, cuda:N"
+DEVICES = "auto, cpu, cpu:0, cuda, cuda:N"
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
@@ -51,8 +51,9 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
 
 
 def parse_device(text: str) -> str:
-    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (whether CUDA is there is checked when the benchmark runs)."""
-    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", text):
+    """``auto``, ``cpu`` (or ``cpu:0``), ``cuda`` or ``cuda:N`` (whether CUDA is there is checked when the benchmark
+    runs)."""
+    if not re.fullmatch(r"auto|cpu(:0)?|cuda(:[0-9]+)?", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a device; allowed: {DEVICES}")
     return text
 

@@ -80,10 +80,10 @@ def test_bench_ops_device_argument():
 
     from deltafuse.bench.ops_args import parse_device
 
-    for text in ("auto", "cpu", "cuda", "cuda:0", "cuda:13"):
+    for text in ("auto", "cpu", "cpu:0", "cuda", "cuda:0", "cuda:13"):
         assert parse_device(text) == text
         assert text == "auto" or torch.device(text).type in ("cpu", "cuda")
-    for text in ("gpu", "xpu", "meta", "CUDA", "cuda:", "cuda:-1", "cuda:x", " cpu", "cpu:0", ""):
+    for text in ("gpu", "xpu", "meta", "CUDA", "cuda:", "cuda:-1", "cuda:x", " cpu", "cpu:1", ""):
         with pytest.raises(argparse.ArgumentTypeError) as err:
             parse_device(text)
-        assert str(err.value) == f"{text!r} is not a device; allowed: auto, cpu, cuda, cuda:N"
+        assert str(err.value) == f"{text!r} is not a device; allowed: auto, cpu, cpu:0, cuda, cuda:N"

@@ -241,7 +241,7 @@ def _imports_of(argv: list[str], heavy: tuple[str, ...]) -> tuple[int, list[str]
     (["bench", "ops", "--op", "nope"], "argument --op: invalid choice: 'nope' (choose from 'chunk_gated_delta_rule'"),
     (["bench", "ops", "--shape", "1,80,2"], "argument --shape: '1,80,2' is not a shape; allowed: B,T,H,HV,D"),
     (["bench", "ops", "--shape", "1,80,3,4,16"], "argument --shape: '1,80,3,4,16': HV=4 must be a multiple of H=3"),
-    (["bench", "ops", "--device", "gpu"], "argument --device: 'gpu' is not a device; allowed: auto, cpu, cuda, cuda:N"),
+    (["bench", "ops", "--device", "gpu"], "argument --device: 'gpu' is not a device; allowed: auto, cpu, cpu:0, cuda, cuda:N"),
     (["bench", "ops", "--tokens", "1"], "argument --tokens: 1 is too small; allowed: an integer >= 2"),
     (["verify", "--model", "nope"], "--model 'nope' is neither a known name (tiny,"),
     (["train", "--model", "nope"], "--model 'nope' is neither a known model name nor a directory"),

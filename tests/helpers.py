@@ -143,7 +143,8 @@ def clean_subprocess_env() -> dict:
 
 
 # --- two-process runs ------------------------------------------------------------------------------------------
-_PYTHON_ERROR = "Traceback (most recent call last)"  # a Python exception (faulthandler's dumps say "most recent call first")
+# a Python exception (faulthandler's dumps say "most recent call first")
+_PYTHON_ERROR = "Traceback (most recent call last)"
 _ABORT = "Fatal Python error: Aborted"  # faulthandler's line when a rank dies in native code (SIGABRT)
 
 

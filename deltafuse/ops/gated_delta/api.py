@@ -119,7 +119,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     cu_seqlens: offsets of packed sequences (B must be 1). Returns (o [B, T, HV, V] in q's dtype,
     final state [N, HV, K, V] fp32 or None). ``backend=`` may force 'triton', 'fla' or 'torch'.
     ``use_gate_in_kernel`` (with ``A_log``, ``dt_bias``) and ``use_beta_sigmoid_in_kernel``: FLA's options, g and
-    beta then raw (see ``_gates``; deltafuse's Triton kernels compute them inside). v may have another dtype than q/k (computed in the wider one).
+    beta then raw (see ``_gates``; deltafuse's Triton kernels compute them inside). v may have another dtype than
+    q/k (computed in the wider one).
     """
     out_dtype = q.dtype
     q, k, v, scale, gates = _op_inputs(CHUNK, q, k, v, g, beta, scale, initial_state, cu_seqlens, kwargs, backend,

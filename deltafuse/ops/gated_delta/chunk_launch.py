@@ -292,10 +292,10 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
         dq, dk = torch.zeros_like(q), torch.zeros_like(k)
         for t in (dv, dg, db):
             t.zero_()
-        pa.zero_()
-        pd.zero_()
-        dgates = _gate_grads(gates, pa, pd)
-        return dq, dk, dv, dg, db, dh0, *dgates
+        if gates.gate:  # no chunk: no part of dA_log or d dt_bias
+            pa.zero_()
+            pd.zero_()
+        return dq, dk, dv, dg, db, dh0, *_gate_grads(gates, pa, pd)
     # Per-value-head partials of dkhat (and of dqhat when G > 1), [TT, HV, K]: _bwd_wy writes the WY part of
     # dkhat, _bwd_out adds its terms (or, with G = 1, finishes dq and dk itself), _bwd_reduce sums the groups.
     part_dtype = torch.float32 if (full or opts.bwd_partials == "fp32") else q.dtype

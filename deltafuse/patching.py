@@ -86,6 +86,10 @@ class Applied:
             return rows
         rows = self.records.restore(since.records)
         _context_parallel.clear(since=since.context_parallel)
+        if not self.active:
+            # a revert during the block (another thread's, or the block's own) put back the override from before
+            # every apply: the block's mark is older than that and must not bring a forced backend back
+            return rows
         backends.set_backend_override(since.override)
         if not since.active and self.active and not self.records.has_records():
             self.active, self.override_before = False, None  # the block's apply was the only one

@@ -314,6 +314,18 @@ def test_apply_inside_a_patched_block_is_undone_by_the_block(forced_before):
     assert backends.backend_override() == "npu"
 
 
+def test_a_revert_inside_a_patched_block_is_not_undone_by_its_exit():
+    """What a thread's revert does while another thread's ``patched`` block runs, in one thread: the block's exit
+    must not bring back the backend forced before it (its mark is older than the revert); a later revert finds
+    nothing forced and nothing patched."""
+    patching.apply(backend="torch")
+    with patching.patched(backend="triton"):
+        patching.revert()
+    assert backends.backend_override() is None and not PATCHER.has_records()
+    patching.revert()
+    assert backends.backend_override() is None and not PATCHER.has_records()
+
+
 def test_apply_and_revert_from_threads_leave_one_consistent_state():
     import threading
 

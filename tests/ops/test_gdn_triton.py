@@ -132,10 +132,12 @@ def test_chunk_fp32(shape, opts):
     check_chunk(*shape, dtype=torch.float32, tol_o=tol, tol_grad=tol, tol_gb=tol, **opts)
 
 
-@pytest.mark.parametrize("lengths", [[1] * 300, [64], [65, 1, 128, 2, 63], [1, 3, 64, 65, 200] * 7, "random"])
+@pytest.mark.parametrize("lengths", [[1] * 300, [64], [65, 1, 128, 2, 63], [1, 3, 64, 65, 200] * 7, [5, 9], "random"])
 def test_chunk_plan_tables(lengths):
     """The chunk tables (built with tensor operations) equal a plain listing: per sequence its offsets, its
-    first chunk, and one (sequence, start, end) row per 64-token chunk, in order."""
+    first chunk, and one (sequence, start, end) row per 64-token chunk, in order. Each table starts on a
+    16-byte boundary whatever the number of sequences (Triton specialises its kernels on pointer alignment: a
+    table whose alignment followed that number compiled every chunk kernel twice)."""
     if lengths == "random":
         lengths = torch.randint(1, 200, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     bounds = [0]
@@ -150,6 +152,7 @@ def test_chunk_plan_tables(lengths):
     assert plan.cu.tolist() == bounds
     assert plan.coff.tolist() == first + [len(rows)]
     assert plan.chunks.view(-1, 3).tolist() == [list(r) for r in rows]
+    assert [t.data_ptr() % 16 for t in (plan.cu, plan.coff, plan.chunks)] == [0, 0, 0]
 
 
 def test_chunk_empty_rows_pass_the_state_through():

@@ -29,7 +29,10 @@ import torch  # noqa: E402
 
 
 class CompileLog:
-    """Triton compilations (kernel, step, seconds) from the JIT cache hooks (Triton >= 3.4 knobs)."""
+    """Triton compilations (kernel, step, seconds, specialisation) from the JIT cache hooks (Triton >= 3.4
+    knobs). Each hook call gets a new ``fn`` info object, so a compilation's start is keyed by the kernel and
+    its specialisation key. ``repr`` names every argument's type with Triton's specialisation marks (``D``:
+    divisible by 16), so two compilations of one kernel show which argument made the second."""
 
     def __init__(self):
         self.events: list[dict] = []
@@ -42,15 +45,22 @@ class CompileLog:
         except ImportError:
             return False
 
-        def before(*, fn, **kw):
-            self._start[id(fn)] = time.perf_counter()
+        def ident(fn, key):
+            return id(getattr(fn, "jit_function", fn)), str(key)
+
+        def before(*, fn, key, **kw):
+            self._start[ident(fn, key)] = time.perf_counter()
             return False  # never skip the compilation
 
-        def after(*, fn, **kw):
-            t0 = self._start.pop(id(fn), None)
-            self.events.append({"step": self.step, "kernel": getattr(fn, "name", repr(fn)),
+        def after(*, fn, key, repr=None, compile=None, **kw):
+            t0 = self._start.pop(ident(fn, key), None)
+            compile = compile or {}
+            configs = compile.get("configs") or [{}]
+            self.events.append({"step": self.step, "kernel": getattr(fn, "name", None) or str(fn),
                                 "seconds": None if t0 is None else time.perf_counter() - t0,
-                                "constants": repr(kw.get("constants"))[:300]})
+                                "repr": None if repr is None else str(repr)[:2000],
+                                "attrs": str(configs[0])[:2000],
+                                "constants": str(compile.get("constants"))[:1000]})
 
         knobs.runtime.jit_cache_hook = before
         knobs.runtime.jit_post_compile_hook = after

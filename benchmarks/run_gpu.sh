@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything the project measures on a CUDA machine, in parts that each fit one 10-minute call.
 #
-#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, kernels, blocks, loss, e2e, long, cp or
-#                                                          all; default all)
+#   OUT=/path/to/results bash benchmarks/run_gpu.sh PART... (tests, gdn, kernels, blocks, loss, e2e, long, warmup,
+#                                                          cp or all; default all)
 #
 #   tests   every GPU test (pytest -m gpu) and `deltafuse verify` on cuda for the tiny models, fp32 and bf16
 #   gdn     the gated delta rule benchmark vs FLA 0.6 and the HF fallback (benchmarks/run_gdn_gpu.sh)
@@ -14,6 +14,9 @@
 #   long    moe8 LoRA at 16,384 tokens, stock vs deltafuse: packed rows, then one sequence per row (the loss
 #           comparable); then deltafuse steps on single 65,536-token sequences with gradient checkpointing
 #           (peak memory in the logs)
+#   warmup  what a new process costs before its steps are fast: moe8 LoRA at 4096 packed tokens, 25 steps, with an
+#           empty Triton cache (benchmarks/profile_train.py: each compilation with its step and seconds), the same
+#           run again in a new process reusing that cache, then stock; whole-process wall times in warmup.txt
 #   cp      context parallelism, 2 GPUs against 1 (benchmarks/context_parallel.py): moe8 LoRA on one sequence of
 #           32,768 and 65,536 tokens both ways, 131,072 and 262,144 (gradient checkpointing) on 2 GPUs; needs 2 GPUs
 #
@@ -27,8 +30,9 @@ OUT=${OUT:-./deltafuse-out}
 PARTS=" ${*:-all} "
 for part in $PARTS; do
   case $part in
-    tests|gdn|kernels|blocks|loss|e2e|long|cp|all) ;;
-    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, kernels, blocks, loss, e2e, long, cp, all" >&2
+    tests|gdn|kernels|blocks|loss|e2e|long|warmup|cp|all) ;;
+    *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, kernels, blocks, loss, e2e, long, warmup, cp," \
+         "all" >&2
        exit 2 ;;
   esac
 done
@@ -98,6 +102,20 @@ if want long; then
     --no-packing --seq-len 65536 --max-steps 3 --gradient-checkpointing --log-every 1 --no-progress \
     --output-dir "$OUT/train_moe8_64k_single" --overwrite
   rm -rf "$OUT/train_moe8_64k_single"/checkpoint-* "$OUT/train_moe8_64k_single"/final "$OUT/long_rows.jsonl"
+fi
+if want warmup; then
+  # timed NAME CMD...: run CMD, append its whole-process wall time to warmup.txt
+  timed() {
+    local name=$1 t0 t1; shift; t0=$(date +%s.%N); step "$OUT/warmup_$name.log" "$@"; t1=$(date +%s.%N)
+    echo "$name $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}') s" | tee -a "$OUT/warmup.txt"
+  }
+  wargs=(--model moe8 --seq-len 4096 --max-steps 25 --log-every 1 --no-progress --overwrite)
+  export TRITON_CACHE_DIR=$(mktemp -d)
+  timed cold python3 benchmarks/profile_train.py "$OUT/warmup_cold.json" --profile-steps 2 -- "${wargs[@]}" \
+    --output-dir /tmp/warmup-cold
+  timed warm python3 -m deltafuse train "${wargs[@]}" --output-dir /tmp/warmup-warm
+  timed stock python3 -m deltafuse train "${wargs[@]}" --no-deltafuse --output-dir /tmp/warmup-stock
+  rm -rf /tmp/warmup-{cold,warm,stock} "$TRITON_CACHE_DIR"; unset TRITON_CACHE_DIR
 fi
 if want cp; then
   ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -7,7 +7,8 @@ step. An argument whose mark follows the number of sequences compiles a second v
 later step, for seconds (the GDN chunk tables did: 13.6 s at step 2 of a moe8 run on the H200).
 
 The kernels run interpreted here; every launch's marks are recorded as Triton computes them, and each kernel
-must show one set for packings with odd and even numbers of sequences, one-token sequences and one whole row.
+must show one set for packings whose numbers of sequences fill the 16-byte lines of an int32 table differently,
+with one-token sequences, and for one whole row.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from tests.helpers import INTERPRETED  # noqa: E402
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="records launches of the Triton interpreter")
 
 T = 128
-PACKINGS = [[40, 24, 64], [10, 30, 50, 38], [7, 121], [1, 1, 126], [1, 60, 3, 1, 63], [T]]
+# offset tables of 4, 5, 3, 6 and 2 entries: every remainder modulo 4 (four int32 entries fill 16 bytes); one-token
+# sequences; one whole row
+PACKINGS = [[40, 24, 64], [10, 30, 50, 38], [7, 121], [1, 60, 3, 1, 63], [T]]
 
 
 def _mark(value) -> str:

@@ -53,9 +53,9 @@ class Plan:
         rows = torch.stack([seq, starts[seq] + within * BT, ends[seq]], 1)  # (sequence, start, end)
         if not self.NC:
             rows = rows.new_zeros(1, 3)
-        # each table starts on a 16-byte boundary: Triton specialises pointer arguments on that, so tables at
-        # offsets that follow the number of sequences gave every kernel a second compilation (13.6 s at step 2
-        # of a moe8 run) whenever that number's parity changed
+        # each table starts on a 16-byte boundary: Triton specialises pointer arguments on that, and tables at
+        # offsets of n+1 and 2(n+1) entries for n sequences compiled every chunk kernel a second time whenever a
+        # new n moved them on or off such a boundary (13.6 s at step 2 of a moe8 run on the H200)
         n1 = len(bounds)
         pad = b.new_zeros(-n1 % _ALIGN)
         table = torch.cat([b, pad, offsets, pad, rows.reshape(-1)]).to(torch.int32).to(device, non_blocking=True)

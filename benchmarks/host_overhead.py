@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -256,13 +257,15 @@ def model_rows(prompt, calls, reps):
             model.eval()
             with torch.no_grad():
                 out = model(ids, use_cache=True)
-                cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                # the cache's name: ``cache`` from transformers 5.24 on (``past_key_values`` is deprecated there)
+                key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+                cache, nxt = getattr(out, key), out.logits[:, -1:].argmax(-1)
                 # every timed step re-runs one decode step from the same cache state: a fresh copy per step
                 # would time the copy, so each step decodes one token onto the growing cache (the tiny model's
                 # per-step host work does not depend on the cache length)
 
                 def decode():
-                    return model(nxt, past_key_values=cache, use_cache=True).logits
+                    return model(nxt, use_cache=True, **{key: cache}).logits
 
                 dec, = _time([decode], calls, reps, False)
             model.train()

@@ -110,12 +110,12 @@ if want warmup; then
     echo "$name $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}') s" | tee -a "$OUT/warmup.txt"
   }
   wargs=(--model moe8 --seq-len 4096 --max-steps 25 --log-every 1 --no-progress --overwrite)
-  export TRITON_CACHE_DIR=$(mktemp -d)
-  timed cold python3 benchmarks/profile_train.py "$OUT/warmup_cold.json" --profile-steps 2 -- "${wargs[@]}" \
-    --output-dir /tmp/warmup-cold
-  timed warm python3 -m deltafuse train "${wargs[@]}" --output-dir /tmp/warmup-warm
+  wcache=$(mktemp -d)  # an empty Triton cache of its own (the caller's TRITON_CACHE_DIR is left as it is)
+  timed cold env TRITON_CACHE_DIR="$wcache" python3 benchmarks/profile_train.py "$OUT/warmup_cold.json" \
+    --profile-steps 2 -- "${wargs[@]}" --output-dir /tmp/warmup-cold
+  timed warm env TRITON_CACHE_DIR="$wcache" python3 -m deltafuse train "${wargs[@]}" --output-dir /tmp/warmup-warm
   timed stock python3 -m deltafuse train "${wargs[@]}" --no-deltafuse --output-dir /tmp/warmup-stock
-  rm -rf /tmp/warmup-{cold,warm,stock} "$TRITON_CACHE_DIR"; unset TRITON_CACHE_DIR
+  rm -rf /tmp/warmup-{cold,warm,stock} "$wcache"
 fi
 if want cp; then
   ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")

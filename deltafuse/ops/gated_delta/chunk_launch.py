@@ -65,19 +65,15 @@ class Plan:
         self.chunks = table[2 * step:]
 
 
-_PLANS: dict = {}
-
-
 def plan_for(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> Plan:
-    """Chunk tables, cached by sequence layout (they depend on lengths only, never on values)."""
-    bounds = tuple(n * T for n in range(B + 1)) if cu_seqlens is None else host_offsets(cu_seqlens)
-    key = (bounds, str(device))
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= 64:
-            _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = Plan(list(bounds), device)
-    return plan
+    """Chunk tables, kept per sequence layout (they depend on lengths only, never on values)."""
+    bounds = tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
+    return _plan(bounds if cu_seqlens is None else tuple(host_offsets(cu_seqlens)), str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(bounds: tuple[int, ...], device: str) -> Plan:
+    return Plan(list(bounds), torch.device(device))
 
 
 class PassConfig:
@@ -192,22 +188,26 @@ class ForwardConfig:
         self.WH, self.KV, self.QH, self.SV = mode["wh"], mode["kv"], mode["qh"], mode["sv"]
 
 
-@functools.lru_cache(maxsize=64)
-def _configs(dtype: torch.dtype, K: int, V: int, which: str, options: ChunkOptions,
-             interpreting: bool) -> tuple[PassConfig, ForwardConfig]:
-    cfg = PassConfig(dtype, K, V, which, options)
+def _build_configs(dtype: torch.dtype, K: int, V: int, which: str, options: ChunkOptions,
+                   stage_hook: StageHook | None) -> tuple[PassConfig, ForwardConfig]:
+    cfg = PassConfig(dtype, K, V, which, options, stage_hook)
     return cfg, ForwardConfig(cfg, dtype == torch.float32, K, V)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_configs(dtype: torch.dtype, K: int, V: int, which: str, options: ChunkOptions,
+                    interpreting: bool) -> tuple[PassConfig, ForwardConfig]:
+    return _build_configs(dtype, K, V, which, options, None)
 
 
 def configs(dtype: torch.dtype, K: int, V: int, which: str, options: ChunkOptions,
             stage_hook: StageHook | None = None) -> tuple[PassConfig, ForwardConfig]:
     """The pass's ``PassConfig`` and the forward pass's ``ForwardConfig``. Without a stage hook both are built once
-    per (dtype, head sizes, pass, options) and shared: they are never changed after they are built, and building
-    them cost ~40 us of host time per GDN call."""
+    per (dtype, head sizes, pass, options, interpreter or not) and shared: they are never changed after they are
+    built, and building them cost ~40 us of host time per GDN call."""
     if stage_hook is None:
-        return _configs(dtype, K, V, which, options, _interpreting())
-    cfg = PassConfig(dtype, K, V, which, options, stage_hook)
-    return cfg, ForwardConfig(cfg, dtype == torch.float32, K, V)
+        return _shared_configs(dtype, K, V, which, options, _interpreting())
+    return _build_configs(dtype, K, V, which, options, stage_hook)
 
 
 def state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, L2):

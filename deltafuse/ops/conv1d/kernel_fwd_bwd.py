@@ -48,6 +48,63 @@ def _prefetch(row, t, T, st, cm, k: tl.constexpr, PF: tl.constexpr):
 
 
 @triton.jit
+def _advance(row, t, T, st, cm, n1, n2, n3, n4, PF: tl.constexpr):
+    """Row t of a stream and the rows loaded ahead after this step. With PF > 0 row t is the first of the PF rows
+    loaded ahead (n1) and row t + PF is loaded behind the others; with PF = 0 row t is loaded now."""
+    if PF == 0:
+        cur = _raw_row(row, t, T, st, cm)
+    else:
+        cur = n1
+        if PF == 1:
+            n1 = _raw_row(row, t + 1, T, st, cm)
+        elif PF == 2:
+            n1 = n2
+            n2 = _raw_row(row, t + 2, T, st, cm)
+        elif PF == 3:
+            n1 = n2
+            n2 = n3
+            n3 = _raw_row(row, t + 3, T, st, cm)
+        else:
+            n1 = n2
+            n2 = n3
+            n3 = n4
+            n4 = _raw_row(row, t + 4, T, st, cm)
+    return cur, n1, n2, n3, n4
+
+
+@triton.jit
+def _bias(BIAS, c64, cm, HAS_BIAS: tl.constexpr, BC: tl.constexpr):
+    if HAS_BIAS:
+        return tl.load(BIAS + c64, mask=cm, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros((BC,), dtype=tl.float32)
+
+
+@triton.jit
+def _in_sequence(h1, h2, h3, s0, s1, s2, s3):
+    """The inputs of lags 1..3, 0 where they belong to another sequence than the newest input (id s0)."""
+    return tl.where(s1 == s0, h1, 0.0), tl.where(s2 == s0, h2, 0.0), tl.where(s3 == s0, h3, 0.0)
+
+
+@triton.jit
+def _window(w0, w1, w2, w3, a0, m1, m2, m3, bias, W: tl.constexpr, HAS_BIAS: tl.constexpr, W_DT: tl.constexpr,
+            BC: tl.constexpr):
+    """One token's convolution before the activation, rounded to the weight dtype: the taps oldest first, then
+    the bias (m_k: the input of lag k, a0 the newest)."""
+    acc = tl.zeros((BC,), dtype=tl.float32)
+    if W > 3:
+        acc += w3 * m3
+    if W > 2:
+        acc += w2 * m2
+    if W > 1:
+        acc += w1 * m1
+    acc += w0 * a0
+    if HAS_BIAS:
+        acc += bias
+    return acc.to(W_DT).to(tl.float32)
+
+
+@triton.jit
 def _seq_row(SID, b, q, T, ssb, W: tl.constexpr):
     """Sequence id of extended position q (history positions take the row's first token's id)."""
     return tl.load(SID + b * ssb + tl.minimum(tl.maximum(q - (W - 1), 0), T - 1))
@@ -101,8 +158,7 @@ def conv_fwd_kernel(X, INIT, SID, WGT, BIAS, Y, T, C, sxb, sxc, sxt, sib, sic, s
     cm = c < C
     c64 = c.to(tl.int64)
     w0, w1, w2, w3 = _taps(WGT, c64, cm, W)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + c64, mask=cm, other=0.0).to(tl.float32)
+    bias = _bias(BIAS, c64, cm, HAS_BIAS, BC)
     # the W-1 inputs before token t0's newest one (extended positions t0 + W-1 - k, lag k = 1..3)
     h1, h2, h3 = _history(X, INIT, b, c64, cm, t0 + W - 1, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT,
                           W_DT, BC)
@@ -118,52 +174,21 @@ def conv_fwd_kernel(X, INIT, SID, WGT, BIAS, Y, T, C, sxb, sxc, sxt, sib, sic, s
     for i in tl.range(0, BT, num_stages=STAGES):
         t = t0 + i
         ok = t < T
-        t64 = tl.minimum(t, T - 1).to(tl.int64)
-        if PF == 0:
-            raw = _raw_row(xrow, t, T, sxt, cm)
-        else:
-            raw = n1
-            if PF == 1:
-                n1 = _raw_row(xrow, t + 1, T, sxt, cm)
-            elif PF == 2:
-                n1 = n2
-                n2 = _raw_row(xrow, t + 2, T, sxt, cm)
-            elif PF == 3:
-                n1 = n2
-                n2 = n3
-                n3 = _raw_row(xrow, t + 3, T, sxt, cm)
-            else:
-                n1 = n2
-                n2 = n3
-                n3 = n4
-                n4 = _raw_row(xrow, t + 4, T, sxt, cm)
+        raw, n1, n2, n3, n4 = _advance(xrow, t, T, sxt, cm, n1, n2, n3, n4, PF)
         a0 = raw.to(W_DT).to(tl.float32)
-        acc = tl.zeros((BC,), dtype=tl.float32)
+        m1 = h1
+        m2 = h2
+        m3 = h3
         if HAS_SID:
-            s0 = tl.load(SID + b * ssb + t64)
-            if W > 3:
-                acc += w3 * tl.where(s3 == s0, h3, 0.0)
-            if W > 2:
-                acc += w2 * tl.where(s2 == s0, h2, 0.0)
-            if W > 1:
-                acc += w1 * tl.where(s1 == s0, h1, 0.0)
+            s0 = _seq_row(SID, b, t + W - 1, T, ssb, W)
+            m1, m2, m3 = _in_sequence(h1, h2, h3, s0, s1, s2, s3)
             s3 = s2
             s2 = s1
             s1 = s0
-        else:
-            if W > 3:
-                acc += w3 * h3
-            if W > 2:
-                acc += w2 * h2
-            if W > 1:
-                acc += w1 * h1
-        acc += w0 * a0
-        if HAS_BIAS:
-            acc += bias
-        pre = acc.to(W_DT).to(tl.float32)
+        pre = _window(w0, w1, w2, w3, a0, m1, m2, m3, bias, W, HAS_BIAS, W_DT, BC)
         if ACT:
             pre = (pre / (1.0 + tl.exp(-pre))).to(W_DT).to(tl.float32)
-        tl.store(yrow + t64 * syt, pre.to(Y.dtype.element_ty), mask=_both(cm, ok))
+        tl.store(yrow + tl.minimum(t, T - 1).to(tl.int64) * syt, pre.to(Y.dtype.element_ty), mask=_both(cm, ok))
         h3 = h2
         h2 = h1
         h1 = a0
@@ -196,8 +221,7 @@ def conv_bwd_kernel(X, INIT, SID, WGT, BIAS, DY, DX, DINIT, DW_PART, DB_PART, T,
     cm = c < C
     c64 = c.to(tl.int64)
     w0, w1, w2, w3 = _taps(WGT, c64, cm, W)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + c64, mask=cm, other=0.0).to(tl.float32)
+    bias = _bias(BIAS, c64, cm, HAS_BIAS, BC)
     # inputs of lag 1..3 before the first step's newest position (q0): extended positions q0 - k
     h1, h2, h3 = _history(X, INIT, b, c64, cm, q0, T, sxb, sxc, sxt, sib, sic, sis, W, HAS_INIT, X_DT, W_DT, BC)
     if HAS_SID:
@@ -227,36 +251,8 @@ def conv_bwd_kernel(X, INIT, SID, WGT, BIAS, DY, DX, DINIT, DW_PART, DB_PART, T,
     ny4 = _prefetch(dyrow, ts, T, sdyt, cm, 4, PF)
     for i in tl.range(0, BT + W - 1, num_stages=STAGES):
         t = ts + i  # the token of this step; its newest input is at extended position t + W-1 (x row t)
-        if PF == 0:
-            rx = _raw_row(xrow, t, T, sxt, cm)
-            ry = _raw_row(dyrow, t, T, sdyt, cm)
-        else:
-            rx = nx1
-            ry = ny1
-            if PF == 1:
-                nx1 = _raw_row(xrow, t + 1, T, sxt, cm)
-                ny1 = _raw_row(dyrow, t + 1, T, sdyt, cm)
-            elif PF == 2:
-                nx1 = nx2
-                ny1 = ny2
-                nx2 = _raw_row(xrow, t + 2, T, sxt, cm)
-                ny2 = _raw_row(dyrow, t + 2, T, sdyt, cm)
-            elif PF == 3:
-                nx1 = nx2
-                ny1 = ny2
-                nx2 = nx3
-                ny2 = ny3
-                nx3 = _raw_row(xrow, t + 3, T, sxt, cm)
-                ny3 = _raw_row(dyrow, t + 3, T, sdyt, cm)
-            else:
-                nx1 = nx2
-                ny1 = ny2
-                nx2 = nx3
-                ny2 = ny3
-                nx3 = nx4
-                ny3 = ny4
-                nx4 = _raw_row(xrow, t + 4, T, sxt, cm)
-                ny4 = _raw_row(dyrow, t + 4, T, sdyt, cm)
+        rx, nx1, nx2, nx3, nx4 = _advance(xrow, t, T, sxt, cm, nx1, nx2, nx3, nx4, PF)
+        ry, ny1, ny2, ny3, ny4 = _advance(dyrow, t, T, sdyt, cm, ny1, ny2, ny3, ny4, PF)
         a0 = rx.to(W_DT).to(tl.float32)
         if HAS_INIT:  # the first W-1 steps of the row's first block read initial_states instead
             q = t + W - 1
@@ -269,20 +265,8 @@ def conv_bwd_kernel(X, INIT, SID, WGT, BIAS, DY, DX, DINIT, DW_PART, DB_PART, T,
         m3 = h3
         if HAS_SID:
             s0 = _seq_row(SID, b, t + W - 1, T, ssb, W)
-            m1 = tl.where(s1 == s0, h1, 0.0)
-            m2 = tl.where(s2 == s0, h2, 0.0)
-            m3 = tl.where(s3 == s0, h3, 0.0)
-        acc = tl.zeros((BC,), dtype=tl.float32)  # the taps oldest first, as in the forward
-        if W > 3:
-            acc += w3 * m3
-        if W > 2:
-            acc += w2 * m2
-        if W > 1:
-            acc += w1 * m1
-        acc += w0 * a0
-        if HAS_BIAS:
-            acc += bias
-        pre = acc.to(W_DT).to(tl.float32)
+            m1, m2, m3 = _in_sequence(h1, h2, h3, s0, s1, s2, s3)
+        pre = _window(w0, w1, w2, w3, a0, m1, m2, m3, bias, W, HAS_BIAS, W_DT, BC)  # as in the forward
         if ACT:
             sig = 1.0 / (1.0 + tl.exp(-pre))
             dpre = dy * (sig * (1.0 + pre * (1.0 - sig)))

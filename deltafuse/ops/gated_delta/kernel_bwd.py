@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _rows, chunk_tokens, gate_terms,
-                                                sequence_program, sigmoid)
+                                                sequence_program, sigmoid, state_chunk, state_tile)
 
 # --------------------------------------------------------------------------------------------------
 # backward device helpers
@@ -97,31 +97,16 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
                BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, HAS_DHT: tl.constexpr,
                STORE_DH0: tl.constexpr, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     pid_v, n, hv, h, bos, eos, coff, nt = sequence_program(cu_ptr, coff_ptr, H, HV, V, BV)
-    rows = tl.arange(0, 64)
-    ck = tl.arange(0, BK)
-    cv = pid_v * BV + tl.arange(0, BV)
-    mkv = (ck[:, None] < K) & (cv[None, :] < V)
-    state_off = ck[:, None] * V + cv[None, :]
-    dst = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        dst = tl.load(dht_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, mask=mkv, other=0.0).to(tl.float32)
+    ck, cv, mkv, state_off, dst = state_tile(dht_ptr, n, hv, pid_v, HAS_DHT, HV, K, V, BK, BV)
     for i in range(nt):
         c = nt - 1 - i
-        start = bos + c * 64
-        tok = start + rows
-        valid = tok < eos
+        tok, valid, mk, mv, tv_off, gc, gl, dec = state_chunk(rk_ptr, gc_ptr, bos + c * 64, eos, ck, cv, h, hv, H,
+                                                              HV, K, V, L2)
         tl.store(dhs_ptr + ((coff + c) * HV + hv) * (K * V) + state_off, dst.to(dhs_ptr.dtype.element_ty), mask=mkv)
-        mk = valid[:, None] & (ck[None, :] < K)
-        mv = valid[:, None] & (cv[None, :] < V)
-        tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
         k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
-        rk = _rows(rk_ptr, tok, H, h, valid, L2)
-        gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
-        last = tl.minimum(start + 63, eos - 1)
-        gl = tl.load(gc_ptr + last * HV + hv)
         dvl = tl.load(dvl_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
         # dv' = dv_local + diag(rk exp(gl - gc)) k dh_next
-        dvn = dvl + _dot_x(k, dst, X2, PREC, DT) * (rk * tl.where(valid, tl.exp(gl - gc), 0.0))[:, None]
+        dvn = dvl + _dot_x(k, dst, X2, PREC, DT) * dec[:, None]
         tl.store(dvn_ptr + tv_off, dvn.to(dvn_ptr.dtype.element_ty), mask=mv)
         q = tl.load(q_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
         rq = _rows(rq_ptr, tok, H, h, valid, L2)

@@ -212,6 +212,39 @@ def sequence_program(cu_ptr, coff_ptr, H: tl.constexpr, HV: tl.constexpr, V: tl.
     return pid_v, n, hv, h, bos, eos, coff, tl.cdiv(eos - bos, 64)
 
 
+@triton.jit
+def state_tile(s_ptr, n, hv, pid_v, HAS: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr):
+    """(ck, cv, mkv, state_off, st) of a sequential pass's [BK, BV] state tile: its key and value indices, its
+    mask, its offsets in a [K, V] state, and the state of sequence n, value head hv loaded from s_ptr in fp32
+    (zeros without HAS)."""
+    ck = tl.arange(0, BK)
+    cv = pid_v * BV + tl.arange(0, BV)
+    mkv = (ck[:, None] < K) & (cv[None, :] < V)
+    state_off = ck[:, None] * V + cv[None, :]
+    st = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS:
+        st = tl.load(s_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, mask=mkv, other=0.0).to(tl.float32)
+    return ck, cv, mkv, state_off, st
+
+
+@triton.jit
+def state_chunk(rk_ptr, gc_ptr, start, eos, ck, cv, h, hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, L2: tl.constexpr):
+    """(tok, valid, mk, mv, tv_off, gc, gl, dec) of the chunk from token start in a sequential pass: its tokens,
+    which are in the sequence, the key and value masks, the value offsets, the cumulative gates, the gate at the
+    chunk's last token and each row's decay to it, rk exp(gl - gc) (0 past the sequence)."""
+    tok = start + tl.arange(0, 64)
+    valid = tok < eos
+    mk = valid[:, None] & (ck[None, :] < K)
+    mv = valid[:, None] & (cv[None, :] < V)
+    tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
+    rk = _rows(rk_ptr, tok, H, h, valid, L2)
+    gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
+    gl = tl.load(gc_ptr + tl.minimum(start + 63, eos - 1) * HV + hv)
+    return tok, valid, mk, mv, tv_off, gc, gl, rk * tl.where(valid, tl.exp(gl - gc), 0.0)
+
+
 # --------------------------------------------------------------------------------------------------
 # forward kernels
 # --------------------------------------------------------------------------------------------------
@@ -319,22 +352,12 @@ def _state_fwd(k_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_ptr, vn_ptr, ht_p
     and v' = u - w h (vn; ``vn_ptr`` may be ``u_ptr``: each program reads its u tile before it writes the same
     elements). WH / KV: product modes (_dot_m) of w h and of k^T (decayed v')."""
     pid_v, n, hv, h, bos, eos, coff, nt = sequence_program(cu_ptr, coff_ptr, H, HV, V, BV)
-    rows = tl.arange(0, 64)
-    ck = tl.arange(0, BK)
-    cv = pid_v * BV + tl.arange(0, BV)
-    mkv = (ck[:, None] < K) & (cv[None, :] < V)
-    state_off = ck[:, None] * V + cv[None, :]
-    st = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        st = tl.load(h0_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, mask=mkv, other=0.0).to(tl.float32)
+    ck, cv, mkv, state_off, st = state_tile(h0_ptr, n, hv, pid_v, HAS_H0, HV, K, V, BK, BV)
     for i in range(nt):
         start = bos + i * 64
-        tok = start + rows
-        valid = tok < eos
+        tok, valid, mk, mv, tv_off, gc, gl, dec = state_chunk(rk_ptr, gc_ptr, start, eos, ck, cv, h, hv, H, HV, K,
+                                                              V, L2)
         tl.store(hs_ptr + ((coff + i) * HV + hv) * (K * V) + state_off, st.to(hs_ptr.dtype.element_ty), mask=mkv)
-        mk = valid[:, None] & (ck[None, :] < K)
-        mv = valid[:, None] & (cv[None, :] < V)
-        tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
         w = tl.load(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)
         u = tl.load(u_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
         vn = u - _dot_m(w, st, tl.zeros([64, BV], dtype=tl.float32), WH, PREC, DT)
@@ -342,12 +365,7 @@ def _state_fwd(k_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_ptr, vn_ptr, ht_p
         # k transposed on load (no tl.trans of a tile)
         kt = tl.load(k_ptr + tok[None, :] * (H * K) + h * K + ck[:, None], mask=(ck[:, None] < K) & valid[None, :],
                      other=0.0)
-        rk = _rows(rk_ptr, tok, H, h, valid, L2)
-        gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
-        last = tl.minimum(start + 63, eos - 1)
-        gl = tl.load(gc_ptr + last * HV + hv)
         # h_next = exp(gl) h + k^T diag(rk exp(gl - gc)) v'
-        vd = vn * (rk * tl.where(valid, tl.exp(gl - gc), 0.0))[:, None]
-        st = _dot_m(kt, vd, st * tl.exp(gl), KV, PREC, DT)
+        st = _dot_m(kt, vn * dec[:, None], st * tl.exp(gl), KV, PREC, DT)
     if STORE_HT:
         tl.store(ht_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, st, mask=mkv)

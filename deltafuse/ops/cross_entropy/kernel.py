@@ -8,10 +8,11 @@ needs an fp32 copy of the chunk plus a separate gradient buffer; this one needs 
 only its [c, V] logits. The matmuls around it (head projection, gradient of hidden / weight) stay cuBLAS
 calls in ``driver.fused_linear_cross_entropy_chunked``.
 
-For vocabulary blocks (``driver.fused_linear_cross_entropy_blocked``) two more kernels, one program per
-row of a [c, w] block: the online step updates the row's running maximum, sum of exponentials and target
-logit and (frozen head) writes exp(x - new maximum) over the block and rescales the row of the hidden-gradient
-accumulator when the maximum moved; the gradient step writes (exp(x - lse) - one-hot) * row_scale over it.
+For vocabulary blocks (``driver.fused_linear_cross_entropy_blocked``) two more steps, one program per row of a
+[c, w] block: the online step (the per-token log-probabilities' online kernel at temperature 1) updates the row's
+running maximum, sum of exponentials and target logit and (frozen head) writes exp(x - new maximum) over the
+block and rescales the row of the hidden-gradient accumulator when the maximum moved; the gradient step writes
+(exp(x - lse) - one-hot) * row_scale over it.
 """
 
 from __future__ import annotations
@@ -55,44 +56,6 @@ def _ce_chunk_kernel(L, T, SCALE, LOSS, V, stride_l, ignore_index,
             g = tl.exp(x - lse)
             g = tl.where((cols == t_safe) & valid, g - 1.0, g) * scale
             tl.store(base + cols, g.to(L.dtype.element_ty), mask=cmask)
-
-
-@triton.jit
-def _ce_online_block_kernel(L, T, M, S, XT, ACC, W, H, stride_l, stride_acc, v0, ignore_index,
-                            WITH_ACC: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
-    row = tl.program_id(0)
-    base = L + row.to(tl.int64) * stride_l
-    t = tl.load(T + row)
-    local = t - v0
-    hit = (t != ignore_index) & (local >= 0) & (local < W)
-    x_t = tl.load(base + tl.where(hit, local, 0)).to(tl.float32)  # read before the block is overwritten
-    m_old = tl.load(M + row)
-    m_blk = float("-inf")
-    for c0 in range(0, W, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        x = tl.load(base + cols, mask=cols < W, other=float("-inf")).to(tl.float32)
-        m_blk = tl.maximum(m_blk, tl.max(x, axis=0))
-    m_new = tl.maximum(m_old, m_blk)
-    alpha = tl.exp(m_old - m_new)
-    s = 0.0
-    for c0 in range(0, W, BLOCK_V):
-        cols = c0 + tl.arange(0, BLOCK_V)
-        cmask = cols < W
-        x = tl.load(base + cols, mask=cmask, other=float("-inf")).to(tl.float32)
-        p = tl.exp(x - m_new)
-        s += tl.sum(p, axis=0)
-        if WITH_ACC:
-            tl.store(base + cols, p.to(L.dtype.element_ty), mask=cmask)
-    tl.store(S + row, tl.load(S + row) * alpha + s)
-    tl.store(M + row, m_new)
-    tl.store(XT + row, tl.where(hit, x_t, tl.load(XT + row)))
-    if WITH_ACC:
-        if alpha != 1.0:  # the maximum moved: rescale the row's accumulator to it
-            acc_row = ACC + row.to(tl.int64) * stride_acc
-            for c0 in range(0, H, BLOCK_H):
-                cols = c0 + tl.arange(0, BLOCK_H)
-                cmask = cols < H
-                tl.store(acc_row + cols, tl.load(acc_row + cols, mask=cmask, other=0.0) * alpha, mask=cmask)
 
 
 @triton.jit
@@ -147,19 +110,9 @@ def _rows_contiguous(logits: torch.Tensor) -> torch.Tensor:
 # (driver._blocked_pass), and the accumulator is rescaled inside the kernel.
 def online_block_step_triton(logits, targets, v0, ignore_index, m, l, xt, acc):
     """Same contract as ``driver.online_block_step_torch`` (fp32 running statistics, contiguous [c]
-    tensors); the probabilities, when an accumulator is given, overwrite ``logits``."""
-    logits = _rows_contiguous(logits)
-    c, w = logits.shape
-    if c:
-        block, warps = _block_v(w, logits.device)
-        with_acc = acc is not None
-        hdim = acc.shape[1] if with_acc else 0
-        _ce_online_block_kernel[(c,)](logits, targets, m, l, xt, acc if with_acc else m, w, hdim,
-                                      logits.stride(0), acc.stride(0) if with_acc else 0, v0, ignore_index,
-                                      WITH_ACC=with_acc, BLOCK_V=block,
-                                      BLOCK_H=min(block, triton.next_power_of_2(max(hdim, 1))),
-                                      num_warps=warps)
-    return logits if acc is not None else None
+    tensors); the probabilities, when an accumulator is given, overwrite ``logits``. The per-token step's kernel
+    without temperature (a factor of 1 is exact), entropy or top-1 statistics."""
+    return token_online_step_triton(logits, targets, v0, ignore_index, 1.0, m, l, xt, None, None, acc)
 
 
 def block_grad_step_triton(logits, targets, v0, ignore_index, lse, row_scale):

@@ -18,33 +18,40 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, n_rows, C, stride_g, stride_u, stride_y,
-                       X_DT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+def _tile(n_rows, C, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(r64, cols, mask) of this program's [ROWS, BLOCK_C] tile of the [n_rows, C] rows."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < n_rows)[:, None] & (cols < C)[None, :]
-    r64 = rows.to(tl.int64)
-    g = tl.load(G + r64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + r64[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return rows.to(tl.int64), cols, (rows < n_rows)[:, None] & (cols < C)[None, :]
+
+
+@triton.jit
+def _at(P, r64, stride, cols):
+    return P + r64[:, None] * stride + cols[None, :]
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, Y, n_rows, C, stride_g, stride_u, stride_y,
+                       X_DT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    r64, cols, mask = _tile(n_rows, C, ROWS, BLOCK_C)
+    g = tl.load(_at(G, r64, stride_g, cols), mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(_at(U, r64, stride_u, cols), mask=mask, other=0.0).to(tl.float32)
     a = (g / (1.0 + tl.exp(-g))).to(X_DT).to(tl.float32)
-    tl.store(Y + r64[:, None] * stride_y + cols[None, :], (a * u).to(Y.dtype.element_ty), mask=mask)
+    tl.store(_at(Y, r64, stride_y, cols), (a * u).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(G, U, DY, DG, DU, n_rows, C, stride_g, stride_u, stride_dy, stride_dg, stride_du,
                        ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < n_rows)[:, None] & (cols < C)[None, :]
-    r64 = rows.to(tl.int64)
-    g = tl.load(G + r64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + r64[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + r64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r64, cols, mask = _tile(n_rows, C, ROWS, BLOCK_C)
+    g = tl.load(_at(G, r64, stride_g, cols), mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(_at(U, r64, stride_u, cols), mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(_at(DY, r64, stride_dy, cols), mask=mask, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
     du = dy * (g * sig)
     dg = dy * u * (sig * (1.0 + g * (1.0 - sig)))
-    tl.store(DG + r64[:, None] * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + r64[:, None] * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
+    tl.store(_at(DG, r64, stride_dg, cols), dg.to(DG.dtype.element_ty), mask=mask)
+    tl.store(_at(DU, r64, stride_du, cols), du.to(DU.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, C: int) -> torch.Tensor:

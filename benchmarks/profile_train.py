@@ -2,7 +2,8 @@
 
 One process, one model:
 1. `deltafuse train ARGS...` runs in-process. Every Triton compilation is recorded with the step it happened
-   in and its wall time (Triton's JIT hooks), every step is timed (CUDA synchronised from one step's begin
+   in and its wall time (Triton's JIT hooks), and so are, per step, the seconds spent building kernel launchers
+   and loading binaries (both outside those hooks), and what `--compile-ahead` did; every step is timed (CUDA synchronised from one step's begin
    to its end, i.e. the whole optimizer step), the batches of the run are kept, and the last
    ``--profile-steps`` steps run under ``torch.profiler``.
 2. The same packed rows then run again in a plain PyTorch loop (forward, backward, clip, AdamW step, zero
@@ -64,7 +65,47 @@ class CompileLog:
 
         knobs.runtime.jit_cache_hook = before
         knobs.runtime.jit_post_compile_hook = after
+        self._time_launchers()
         return True
+
+    def _time_launchers(self) -> None:
+        """Triton (up to 3.8 at least) builds a C launcher per kernel signature with the system compiler, and
+        loads each binary, at a kernel's first run, outside the compile hooks: both are timed here (wall
+        seconds per step; in compile-ahead's threads they overlap)."""
+        import threading
+
+        from triton.compiler import compiler
+        from triton.runtime import build
+
+        self.launcher_s: dict = {}
+        self.load_s: dict = {}
+        lock = threading.Lock()
+
+        def timed(fn, into):
+            def wrapper(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    with lock:
+                        into[self.step] = into.get(self.step, 0.0) + time.perf_counter() - t0
+            return wrapper
+
+        build._build = timed(build._build, self.launcher_s)
+        init = compiler.CompiledKernel._init_handles
+
+        def init_handles(kernel):
+            if kernel.module is not None:
+                return init(kernel)
+            return timed(init, self.load_s)(kernel)
+
+        compiler.CompiledKernel._init_handles = init_handles
+
+
+def _ahead_report(trainer) -> dict | None:
+    """What `deltafuse train --compile-ahead` did before the first step (inside step 1's time)."""
+    report = getattr(trainer, "_deltafuse_ahead", None)
+    return None if report is None else dict(report.__dict__)
 
 
 def _sync():
@@ -177,7 +218,10 @@ def _run(args, train_argv) -> int:
     trainer = captured["trainer"]
     result = {"train_argv": train_argv, "train_rc": rc, "compile_hooks": hooks, "torch": torch.__version__,
               "transformers": transformers.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-              "trainer_step_s": captured["times"], "compiles": log.events}
+              "trainer_step_s": captured["times"], "compiles": log.events,
+              "compile_ahead": None if trainer is None else _ahead_report(trainer),
+              "launcher_build_s": getattr(log, "launcher_s", None),
+              "binary_load_s": getattr(log, "load_s", None)}
     try:
         import triton
 

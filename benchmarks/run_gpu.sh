@@ -15,8 +15,9 @@
 #           comparable); then deltafuse steps on single 65,536-token sequences with gradient checkpointing
 #           (peak memory in the logs)
 #   warmup  what a new process costs before its steps are fast: moe8 LoRA at 4096 packed tokens, 25 steps, with an
-#           empty Triton cache (benchmarks/profile_train.py: each compilation with its step and seconds), the same
-#           run again in a new process reusing that cache, then stock; whole-process wall times in warmup.txt
+#           empty Triton cache (benchmarks/profile_train.py: each compilation with its step and seconds), first
+#           with --compile-ahead off (kernels compiled one by one as step 1 runs), then with the default, the
+#           same run again in a new process reusing that cache, then stock; whole-process wall times in warmup.txt
 #   cp      context parallelism, 2 GPUs against 1 (benchmarks/context_parallel.py): moe8 LoRA on one sequence of
 #           32,768 and 65,536 tokens both ways, 131,072 and 262,144 (gradient checkpointing) on 2 GPUs; needs 2 GPUs
 #
@@ -111,6 +112,11 @@ if want warmup; then
   }
   wargs=(--model moe8 --seq-len 4096 --max-steps 25 --log-every 1 --no-progress --overwrite)
   wcache=$(mktemp -d)  # an empty Triton cache of its own (the caller's TRITON_CACHE_DIR is left as it is)
+  ocache=$(mktemp -d)
+  timed cold_one_by_one env TRITON_CACHE_DIR="$ocache" python3 benchmarks/profile_train.py \
+    "$OUT/warmup_cold_one_by_one.json" --profile-steps 2 -- "${wargs[@]}" --compile-ahead off \
+    --output-dir /tmp/warmup-cold
+  rm -rf "$ocache"
   timed cold env TRITON_CACHE_DIR="$wcache" python3 benchmarks/profile_train.py "$OUT/warmup_cold.json" \
     --profile-steps 2 -- "${wargs[@]}" --output-dir /tmp/warmup-cold
   timed warm env TRITON_CACHE_DIR="$wcache" python3 -m deltafuse train "${wargs[@]}" --output-dir /tmp/warmup-warm

@@ -9,6 +9,7 @@ import math
 import sys
 
 from deltafuse.argtypes import int_at_least as _int_at_least
+from deltafuse.train.ahead import workers_arg as _ahead_workers
 from deltafuse.argtypes import checked_float, positive_float
 from deltafuse.exits import INTERRUPTED, TERMINATED, exit_codes
 from deltafuse.train.errors import TrainInputError
@@ -89,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="weights and autocast dtype (default auto: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    g.add_argument("--compile-ahead", metavar="auto|off|N", type=_ahead_workers, default="auto",
+                   help="before the first step, compile its Triton kernels in N threads instead of one by one as it "
+                        "runs (default auto: one per CPU with deltafuse on a CUDA device in one process, else off)")
     g.add_argument("--context-parallel", metavar="N", type=_int_at_least(1), default=1,
                    help="split every row along the sequence over N processes (launch N, or a multiple of N, with "
                         "torchrun or accelerate: the data-parallel size is processes / N); exact, needs deltafuse "

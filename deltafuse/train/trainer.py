@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from deltafuse.train import ahead
 from deltafuse.train import context_parallel as cp
 from deltafuse.train import data as data_mod
 from deltafuse.train import hfargs, packing, progress, setup, trainargs
@@ -167,6 +168,7 @@ class _Run:
     enabled: bool = False  # deltafuse patches the model
     main: bool = True
     world: int = 1
+    ahead: int = 0  # --compile-ahead threads (0: off)
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     targs: Any = None  # transformers.TrainingArguments
@@ -242,6 +244,11 @@ def _check(run: _Run) -> None:
     run.world = int(os.environ.get("WORLD_SIZE", "1"))
     cp.check_arguments(args, world=run.world, device=run.device, enabled=run.enabled,
                        overrides=hfargs.trainer_overrides(args))
+    try:
+        run.ahead = ahead.resolve(getattr(args, "compile_ahead", "auto"), enabled=run.enabled, device=run.device,
+                                  world=run.world)
+    except ValueError as exc:
+        raise TrainInputError(str(exc)) from None
     run.targs = trainargs.training_arguments(args, run.device, run.dtype, evaluating=args.eval_data is not None)
     if getattr(args, "context_parallel", 1) > 1:
         _ = run.targs.device  # torch.distributed is initialised here (accelerate), then the groups are made
@@ -347,6 +354,7 @@ def _make_trainer(run: _Run) -> None:
     args, targs = run.args, run.targs
     if run.layout is not None:
         Trainer = cp.trainer_class(Trainer, run.layout, seed=args.seed)
+    Trainer = ahead.trainer_class(Trainer, run.ahead)
     if run.world == 1 and targs.n_gpu > 1:
         # one process that sees several GPUs: the Trainer would wrap the model in torch.nn.DataParallel (one
         # thread per GPU, deprecated by torch); train on the first GPU and say how to use them all

@@ -137,6 +137,10 @@ def test_deltafuse_flag_against_env_master_switch(monkeypatch, capsys, out):
     (["--lora", "--full"], "argument --full: not allowed with argument --lora"),
     (["--save-minutes", "-1"],
      "argument --save-minutes: '-1' is not allowed; allowed: a finite number of minutes >= 0 (0: off)"),
+    (["--compile-ahead", "soon"],
+     "argument --compile-ahead: 'soon' is not allowed; allowed: auto, off, or a number of threads >= 1"),
+    (["--compile-ahead", "-2"],
+     "argument --compile-ahead: -2 is not allowed; allowed: auto, off, or a number of threads >= 1"),
     (["--save-minutes", "soon"],
      "argument --save-minutes: 'soon' is not a number; allowed: a finite number of minutes >= 0 (0: off)"),
 ])

@@ -35,6 +35,11 @@ class AheadReport:
     skipped: str | None = None
 
 
+def default_workers() -> int:
+    """One compile thread per CPU this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _machinery():
     """(JITFunction, Triton's asynchronous compilation module) of the installed Triton, or a reason why
     compiling ahead cannot run."""
@@ -88,7 +93,7 @@ def compile_ahead(step: Callable[[], object], *, workers: int | None = None) -> 
         raise ValueError(f"compile_ahead(workers={workers!r}); allowed: a whole number >= 1, or None (one per CPU)")
     from deltafuse.config import triton_interpreting
 
-    n = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    n = workers or default_workers()
     if triton_interpreting():
         return AheadReport(0, 0, 0.0, n, "TRITON_INTERPRET=1: the interpreter compiles nothing")
     parts, why = _machinery()

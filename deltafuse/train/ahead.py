@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +35,9 @@ def workers_arg(text: str) -> int | str:
 
 
 def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from deltafuse.ops._compile_ahead import default_workers
+
+    return default_workers()
 
 
 def resolve(value, *, enabled: bool, device: str, world: int) -> int:

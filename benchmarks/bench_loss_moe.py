@@ -11,7 +11,8 @@ Loss path (hidden 2,048, vocab 248,320, bf16, random data) at 4,096 and 16,384 t
           deltafuse-tokenlogprobs-sft: ops.token_logprobs with the SFT fields and TRL's loss (lines up with trl-sft)
 Experts at Qwen3.5-35B-A3B sizes (256 experts, top-8, I = 512, H = 2,048), 4,096 tokens, bf16:
   stock   transformers' Qwen3_5MoeExperts with experts_implementation 'grouped_mm'
-  ours    the same module served by deltafuse.ops.moe through the experts interface
+  ours    the same module served by deltafuse.ops.moe through the experts interface: its automatic choice,
+          then each candidate forced (torch: embedding_bag per-token sums; triton: those sums in Triton)
 
 Times are medians of ``triton.testing.do_bench`` (after its warm-up); peak memory is the maximum allocated
 during one forward + backward minus what was allocated before it (inputs and weights excluded).
@@ -232,10 +233,13 @@ def _moe_cases(args):
 
     from deltafuse.ops.moe import moe_experts
 
+    forced = {"backend": None}  # the deltafuse candidate a row forces (None: the automatic choice)
+
     def deltafuse_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         if self.has_bias or not self.has_gate or self.is_transposed or not self.is_concatenated:
             return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                           backend=forced["backend"])
 
     added = "deltafuse" not in ALL_EXPERTS_FUNCTIONS
     if added:
@@ -258,14 +262,18 @@ def _moe_cases(args):
     leaves = [hidden, top_w, mod.gate_up_proj, mod.down_proj]
     rows, outs = [], {}
     try:
-        for impl in ("grouped_mm", "deltafuse"):
+        # deltafuse's automatic choice, then each of its candidates forced (torch: the grouped matmuls with
+        # embedding_bag sums; triton: the same with the per-token sums in Triton)
+        for label in ("grouped_mm", "deltafuse", "deltafuse:torch", "deltafuse:triton"):
+            impl = "grouped_mm" if label == "grouped_mm" else "deltafuse"
+            forced["backend"] = label.split(":")[1] if ":" in label else None
             mod.config._experts_implementation = impl
 
             def fn():
                 mod(hidden, top_i, top_w).backward(dy)
 
             row = {"bench": "moe_experts", "tokens": n, "experts": args.experts, "top_k": args.top_k,
-                   "impl": "stock-grouped_mm" if impl == "grouped_mm" else "deltafuse"}
+                   "impl": "stock-grouped_mm" if impl == "grouped_mm" else label}
             try:
                 ms, peak = _measure(fn, leaves, args.rep)
                 row.update(ms=ms, peak_mib=peak)
@@ -273,19 +281,22 @@ def _moe_cases(args):
                     t.grad = None
                 out = mod(hidden, top_i, top_w)
                 out.backward(dy)
-                outs[impl] = [out.detach()] + [t.grad.detach().clone() for t in leaves]
+                outs[label] = [out.detach()] + [t.grad.detach().clone() for t in leaves]
             except Exception as exc:  # noqa: BLE001
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
             rows.append(row)
-        if len(outs) == 2:
-            names = ("out", "d_hidden", "d_weights", "d_gate_up", "d_down")
+        names = ("out", "d_hidden", "d_weights", "d_gate_up", "d_down")
+        for row in rows:
+            if row["impl"] == "stock-grouped_mm" or row["impl"] not in outs or "grouped_mm" not in outs:
+                continue
             diffs = {}
-            for name, a, b in zip(names, outs["deltafuse"], outs["grouped_mm"]):
+            for name, a, b in zip(names, outs[row["impl"]], outs["grouped_mm"]):
                 a, b = a.double(), b.double()
                 diffs[name] = float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
-            rows[-1]["rel_rms_vs_stock"] = diffs
+            row["rel_rms_vs_stock"] = diffs
     finally:
+        forced["backend"] = None
         if added:
             del ExpertsInterface._global_mapping["deltafuse"]
     return rows

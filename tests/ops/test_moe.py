@@ -14,7 +14,8 @@ from deltafuse.ops.moe import candidates as moe_backends
 from deltafuse.backends.registry import CallInfo, Registry
 from deltafuse.ops.moe import reference
 from deltafuse.ops.moe.naive import naive_moe_experts
-from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402
+from tests.helpers import (DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, rel_rms,  # noqa: E402
+                           triton_kernel_module)
 
 OP = moe_backends.MOE_EXPERTS
 
@@ -319,13 +320,62 @@ def test_peft_lora_on_expert_parameters(registered):
         assert_rel_close(runs[registered][1][n], runs["eager"][1][n], 2e-6, f"d{n}")
 
 
+# --- the Triton per-token sums -----------------------------------------------------------------------------
+def _kernel():
+    return triton_kernel_module("deltafuse.ops.moe.kernel", "_gather_sum_kernel")
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("N,k,H", [(1, 1, 8), (5, 3, 40), (9, 8, 96), (4, 10, 33)])
+def test_gather_sum_triton_matches_float64(weighted, N, k, H):
+    """out[n] = sum_j w[n, j] rows[index[n, j]] against float64, every element; rows read out of order (a
+    random permutation, as the inverse of the sort by expert is), H across several column blocks and not a
+    multiple of one."""
+    kernel = _kernel()
+    gen = torch.Generator().manual_seed(N * 100 + k * 10 + H + weighted)
+    S = N * k
+    rows = torch.randn(S, H, generator=gen)
+    index = torch.randperm(S, generator=gen).view(N, k)
+    w = torch.rand(N, k, generator=gen) + 0.1 if weighted else None
+    got = kernel.gather_sum_triton(rows.to(DEVICE), index.to(DEVICE), None if w is None else w.to(DEVICE))
+    ref = rows.double()[index]
+    ref = (ref * (w.double()[..., None] if weighted else 1.0)).sum(1)
+    assert got.shape == (N, H) and got.dtype == rows.dtype
+    assert_rel_close(got, ref, 1e-6, "gather_sum")
+
+
+def test_gather_sum_triton_no_tokens():
+    kernel = _kernel()
+    out = kernel.gather_sum_triton(torch.randn(0, 8, device=DEVICE), torch.zeros(0, 2, dtype=torch.int64,
+                                                                                 device=DEVICE), None)
+    assert out.shape == (0, 8)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 4, 3, 1), (13, 40, 8, 8, 4), (6, 24, 12, 5, 5)])
+def test_triton_experts_match_float64(shape):
+    """The experts with the Triton per-token sums: output and every gradient against float64."""
+    kernel = _kernel()
+    N, H, I, E, k = shape
+    _check(kernel.moe_experts_triton, *_inputs(N, H, I, E, k, seed=sum(shape) + 1), 5e-6)
+
+
+def test_triton_experts_without_tokens_on_some_experts_and_forced_through_the_op():
+    """Forced with backend='triton' through the public op: equal to float64, and experts that got no token
+    have exact zero weight gradients."""
+    _kernel()
+    x, idx, w, gu, dn = _inputs(9, 16, 8, 7, 2, seed=40, used=3)
+    got = _check(lambda *a: _api()(*a, backend="triton"), x, idx, w, gu, dn, 5e-6)
+    assert torch.equal(got[2][3:], torch.zeros_like(got[2][3:]))
+    assert torch.equal(got[3][3:], torch.zeros_like(got[3][3:]))
+
+
 # --- selection and argument checks -------------------------------------------------------------------------
 def test_candidate_rules():
     reg = Registry()
     moe_backends.register(reg)
     for dt in (torch.float32, torch.bfloat16, torch.float64):
         rows = {d.candidate: d for d in reg.explain(OP, CallInfo(torch.device("cpu"), dt, True))}
-        assert rows["torch"].chosen
+        assert rows["torch"].chosen and not rows["triton"].chosen and rows["triton"].reason
 
 
 @pytest.mark.parametrize("call,match", [
@@ -368,11 +418,32 @@ def test_gpu_bf16_matches_transformers_grouped_mm(registered):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_matches_float64(dtype):
+def test_gpu_matches_float64(dtype, impl):
     tol = 1e-3 if dtype == torch.float32 else 2e-2  # fp32 on GPU may use TF32 in grouped kernels
-    _check(reference.moe_experts_torch, *_inputs(64, 64, 32, 16, 4, dtype=dtype, device="cuda", seed=13, used=12),
-           tol)
+    fn = reference.moe_experts_torch if impl == "torch" else _kernel().moe_experts_triton
+    _check(fn, *_inputs(64, 64, 32, 16, 4, dtype=dtype, device="cuda", seed=13, used=12), tol)
+
+
+@gpu
+@needs_cuda
+def test_gpu_triton_sums_equal_the_reference_at_qwen35_sizes():
+    """bf16 at Qwen3.5-35B-A3B sizes (4,096 tokens, 256 experts, top-8): the Triton per-token sums give the
+    reference's output and gradients (both fp32 accumulators rounded once; only the summation order can
+    differ), and the automatic choice on CUDA is the Triton one."""
+    from deltafuse import backends
+
+    x, idx, w, gu, dn = _inputs(4096, 2048, 512, 256, 8, dtype=torch.bfloat16, device="cuda", seed=21)
+    dy = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    res = {}
+    for name, fn in (("torch", reference.moe_experts_torch), ("triton", _kernel().moe_experts_triton)):
+        out = fn(x, idx, w, gu, dn)
+        res[name] = (out, *torch.autograd.grad(out, (x, w, gu, dn), dy))
+    for a, b, name in zip(res["triton"], res["torch"], ("out", "dx", "dw", "dgate_up", "ddown")):
+        assert rel_rms(a, b) < 1e-3, f"{name}: {rel_rms(a, b):.2e}"
+    rows = {d.candidate: d for d in backends.REGISTRY.explain(OP, backends.call_info(x, w, gu, dn))}
+    assert rows["triton"].chosen, rows
 
 
 def test_swiglu_inside_uses_the_triton_kernel_when_forced():
@@ -460,11 +531,12 @@ def _npu_impl(monkeypatch, calls):
 def test_npu_route_selection(monkeypatch):
     from deltafuse import backends
 
-    assert [c.name for c in backends.REGISTRY.candidates(OP)][:2] == ["npu", "torch"]
+    assert [c.name for c in backends.REGISTRY.candidates(OP)] == ["triton", "npu", "torch"]
     reg = npu_registry(monkeypatch, _fake_torch_npu([]), moe_backends.register)
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         rows = {d.candidate: d for d in reg.explain(OP, CallInfo(npu_device(), dt, True))}
         assert rows["npu"].chosen and rows["npu"].verified is False and not rows["torch"].chosen
+        assert "CUDA" in rows["triton"].reason
     # torch_npu's kernels take fp16/bf16/fp32 only; fp64 on npu falls back to torch
     rows = {d.candidate: d for d in reg.explain(OP, CallInfo(npu_device(), torch.float64, True))}
     assert rows["torch"].chosen and "fp16, bf16, fp32" in rows["npu"].reason

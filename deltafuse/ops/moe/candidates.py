@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from deltafuse.backends.common import NPU_UNVERIFIED, load_attr, npu_available, npu_supports, torch_supports
+from deltafuse.backends.common import (NPU_UNVERIFIED, load_attr, npu_available, npu_supports, torch_supports,
+                                       triton_auto_skip, triton_available, triton_supports)
 from deltafuse.backends.registry import REGISTRY, Candidate, Registry
 
 MOE_EXPERTS = "moe_experts"
+KERNEL = "deltafuse.ops.moe.kernel"
 
 
 def register(registry: Registry) -> None:
+    registry.register(MOE_EXPERTS, Candidate(
+        "triton", load_attr(KERNEL, "moe_experts_triton"), triton_available(KERNEL), triton_supports,
+        auto_skip=triton_auto_skip,
+        note="the torch reference's grouped matmuls with the two per-token sums over each token's slots (the "
+             "weighted output, the hidden-state gradient) in one Triton pass each (fp32 accumulator, "
+             "deterministic)"))
     registry.register(MOE_EXPERTS, Candidate(
         "npu", load_attr("deltafuse.ops.moe.npu", "moe_experts_npu"), npu_available("npu_grouped_matmul"),
         npu_supports, verified=False,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from deltafuse.ops.moe.reference import run_experts
+from deltafuse.ops.moe.reference import gather_sum_torch, run_experts
 
 
 class _NpuMatmuls:
@@ -50,6 +50,11 @@ class _NpuMatmuls:
                                            group_type=2, group_list_type=0)[0]
         counts = torch.diff(offs, prepend=offs.new_zeros(1))
         return torch.where((counts > 0).view(-1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+    @staticmethod
+    def gather_sum(rows, index, weights):
+        """The torch reference's per-token weighted sum (a gather and a reduction on the NPU)."""
+        return gather_sum_torch(rows, index, weights)
 
 
 def moe_experts_npu(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):

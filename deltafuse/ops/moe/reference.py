@@ -148,7 +148,10 @@ class _Plan:
         return self._inverse
 
 
-class _Matmuls:
+class ExpertKernels:
+    """The kernels of ``_MoeExperts``: grouped matmuls (``mm``, ``wgrad``) and the per-token weighted sum over a
+    token's slots (``gather_sum``)."""
+
     def __init__(self, grouped: bool, n_experts: int, zero_empty: bool):
         self.grouped, self.n_experts, self.zero_empty = grouped, n_experts, zero_empty
 
@@ -168,6 +171,10 @@ class _Matmuls:
             return out
         return _loop_wgrad(a, b, offs, self.n_experts)
 
+    @staticmethod
+    def gather_sum(rows, index, weights):
+        return gather_sum_torch(rows, index, weights)
+
 
 # Devices whose embedding_bag reads rows by index and sums them per bag with a floating-point accumulator of at
 # least fp32 (one rounding to the output dtype), deterministically (no atomics): the per-token gather-sum below
@@ -175,7 +182,7 @@ class _Matmuls:
 _BAG_DEVICES = ("cpu", "cuda")
 
 
-def _gather_sum(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+def gather_sum_torch(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """out[n] = sum_j weights[n, j] * rows[index[n, j]] (weights None: plain sum) with an fp32 (or wider)
     accumulator and one rounding to rows' dtype: rows [S, H], index [N, k] (each row read once) -> [N, H].
 
@@ -224,7 +231,7 @@ class _MoeExperts(torch.autograd.Function):
         # the weighted sum over each token's k slots reads the down output in expert order through the inverse
         # permutation (no [S, H] copy in token order); a fresh tensor, which callers may modify in place
         # (transformers 5.2 adds the shared expert with +=)
-        out = _gather_sum(y, plan.inverse().view(n, k), top_k_weights.to(y.dtype))
+        out = mats.gather_sum(y, plan.inverse().view(n, k), top_k_weights.to(y.dtype))
         del y
         ctx.save_for_backward(hidden, top_k_weights, gate_up, down, gu)
         ctx.plan, ctx.mats, ctx.needs = plan, mats, needs
@@ -266,7 +273,7 @@ class _MoeExperts(torch.autograd.Function):
                 # then; summed over each token's k slots straight from expert order (fp32 accumulator,
                 # deterministic)
                 dx = mats.mm(dgu, gate_up, plan.offs)
-                d_hidden = _gather_sum(dx, plan.inverse().view(n, plan.k), None)
+                d_hidden = mats.gather_sum(dx, plan.inverse().view(n, plan.k), None)
                 del dx
             if need_gu:
                 d_gu = mats.wgrad(dgu, hidden[plan.token], plan.offs)
@@ -274,8 +281,8 @@ class _MoeExperts(torch.autograd.Function):
 
 
 def run_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, make_mats):
-    """The experts autograd Function with the grouped matmuls of ``make_mats()`` (an object with ``mm`` and
-    ``wgrad`` as ``_Matmuls`` has); a call that routes no token returns zeros still tied to the inputs."""
+    """The experts autograd Function with the kernels of ``make_mats()`` (an object with ``mm``, ``wgrad`` and
+    ``gather_sum`` as ``ExpertKernels`` has); a call that routes no token returns zeros still tied to the inputs."""
     grad = torch.is_grad_enabled()
     needs = tuple(grad and t.requires_grad for t in (hidden, top_k_weights, gate_up_proj, down_proj))
     if top_k_index.numel() == 0:
@@ -284,21 +291,24 @@ def run_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mak
     return _MoeExperts.apply(hidden, top_k_weights, gate_up_proj, down_proj, top_k_index, make_mats(), needs)
 
 
-def _moe(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped: bool):
+def run_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped: bool, kernels=None):
+    """``run_experts`` with torch's grouped matmuls where they work (``grouped``) and the kernels class
+    ``kernels`` (default ``ExpertKernels``; a subclass may replace ``gather_sum``)."""
     dev = hidden.device
+    cls = ExpertKernels if kernels is None else kernels
 
     def make_mats():
         use = grouped and _grouped_works(dev.type, dev.index, hidden.dtype)
-        return _Matmuls(use, gate_up_proj.shape[0], _empty_groups_need_zeroing(dev))
+        return cls(use, gate_up_proj.shape[0], _empty_groups_need_zeroing(dev))
 
     return run_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, make_mats)
 
 
 def moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
     """Grouped matmuls where the device/dtype supports them, else a loop over experts."""
-    return _moe(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped=True)
+    return run_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped=True)
 
 
 def moe_experts_torch_loop(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
     """Always the loop over experts (what the grouped path falls back to); for tests and comparisons."""
-    return _moe(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped=False)
+    return run_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped=False)

@@ -351,7 +351,32 @@ def test_gather_sum_triton_no_tokens():
     assert out.shape == (0, 8)
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 4, 3, 1), (13, 40, 8, 8, 4), (6, 24, 12, 5, 5)])
+@pytest.mark.parametrize("need", [(True, True, True), (True, False, False), (False, True, False),
+                                  (False, False, True)])
+@pytest.mark.parametrize("S,I", [(1, 4), (7, 40), (13, 16)])
+def test_act_grads_triton_matches_float64(need, S, I):
+    """The backward's activation step against float64: <g, silu(gate) up> per slot, silu(gate) up w, and
+    d[gate; up] of silu(gate) up for the upstream g w; every element, each output only where asked for; I
+    across several column blocks and S not a multiple of the rows per program."""
+    kernel = _kernel()
+    gen = torch.Generator().manual_seed(S * 7 + I + sum(need))
+    gu = torch.randn(S, 2 * I, generator=gen) * 2
+    g = torch.randn(S, I, generator=gen)
+    w = torch.rand(S, generator=gen) + 0.05
+    got = kernel.act_grads_triton(gu.to(DEVICE), g.to(DEVICE), w.to(DEVICE), torch.float32, *need)
+    gate, up = (t.double().requires_grad_() for t in (gu[:, :I], gu[:, I:]))
+    act = torch.nn.functional.silu(gate) * up
+    want = [(g.double() * act).sum(1).detach(), (act * w.double()[:, None]).detach(),
+            torch.cat(torch.autograd.grad(act, (gate, up), g.double() * w.double()[:, None]), 1)]
+    for name, flag, a, b in zip(("dws", "act_w", "dgu"), need, got, want):
+        if not flag:
+            assert a is None, name
+            continue
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        assert_rel_close(a, b, 1e-6, name)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 4, 3, 1), (13, 40, 8, 8, 4), (6, 24, 12, 5, 5), (9, 16, 40, 4, 3)])
 def test_triton_experts_match_float64(shape):
     """The experts with the Triton per-token sums: output and every gradient against float64."""
     kernel = _kernel()

@@ -1,4 +1,5 @@
-"""MoE experts with the per-token sums over a token's k slots in Triton; everything else is the torch reference's.
+"""MoE experts with the per-token sums and the backward's activation step in Triton; the grouped matmuls, the
+forward's SwiGLU and the routing plan are the torch reference's.
 
 The torch reference (``reference.py``) sorts the N*k (token, expert) slots by expert and runs torch's grouped
 matmuls in that order. Twice per call it sums each token's k rows out of expert order: the forward's weighted
@@ -6,7 +7,14 @@ output ``out[n] = sum_j w[n, j] * y[inv[n, j]]`` and the backward's hidden-state
 ``dx[n] = sum_j dxs[inv[n, j]]``. There it is one ``embedding_bag``. ``gather_sum_triton`` does the same
 sum in one pass: each program reads one token's k rows (one column block, the k loads unrolled and in flight
 together), accumulates in fp32 in slot order and rounds once to the rows' dtype, as the reference does. It is
-deterministic (no atomics). The grouped matmuls, the SwiGLU and the routing plan are the reference's.
+deterministic (no atomics).
+
+The backward's activation step, given g = dout_n @ down[e] and the slots' routing weights w, needs <g, act>
+per slot (the routing-weight gradient), act * w (the down weight gradient's operand) and d[gate; up] for the
+upstream g * w. The reference recomputes act through the swiglu op and runs about eight kernels (the
+activation, two products with w, the row dots, the activation's backward, a concatenation).
+``act_grads_triton`` reads gate, up and g once and writes the three results, rounding where the torch
+reference rounds (silu(gate) and act to the inputs' dtype, g * w and g * w * up before the SiLU derivative).
 """
 
 from __future__ import annotations
@@ -56,15 +64,84 @@ def gather_sum_triton(rows: torch.Tensor, index: torch.Tensor, weights: torch.Te
     return out
 
 
+@triton.jit
+def _act_grads_kernel(GU, G, WS, DWS, ACTW, DGU, S, I, stride_gu, DT: tl.constexpr, NEED_W: tl.constexpr,
+                      NEED_DOWN: tl.constexpr, NEED_DGU: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < S
+    r64 = rows.to(tl.int64)
+    w = tl.load(WS + r64, mask=rmask, other=0.0).to(tl.float32)
+    dws = tl.zeros([ROWS], dtype=tl.float32)
+    for c0 in range(0, I, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = rmask[:, None] & (cols < I)[None, :]
+        at_gu = GU + r64[:, None] * stride_gu + cols[None, :]
+        at_i = r64[:, None] * I + cols[None, :]
+        gate = tl.load(at_gu, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(at_gu + I, mask=mask, other=0.0).to(tl.float32)
+        gv = tl.load(G + at_i, mask=mask, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        silu = (gate * sig).to(DT).to(tl.float32)
+        act = (silu * up).to(DT).to(tl.float32)
+        if NEED_W:
+            dws += tl.sum(gv * act, axis=1)
+        if NEED_DOWN:
+            tl.store(ACTW + at_i, (act * w[:, None]).to(DT), mask=mask)
+        if NEED_DGU:
+            gw = (gv * w[:, None]).to(DT).to(tl.float32)
+            dup = gw * silu
+            dgate = (gw * up).to(DT).to(tl.float32) * (sig * (1.0 + gate * (1.0 - sig)))
+            at_d = DGU + r64[:, None] * (2 * I) + cols[None, :]
+            tl.store(at_d, dgate.to(DT), mask=mask)
+            tl.store(at_d + I, dup.to(DT), mask=mask)
+    if NEED_W:
+        tl.store(DWS + r64, dws, mask=rmask)
+
+
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def act_grads_triton(gu, g, w_sorted, w_dtype, need_w: bool, need_down: bool, need_dgu: bool):
+    """``reference.ExpertKernels.act_grads`` in one Triton pass: gu [S, 2I] ([gate; up]), g [S, I] and
+    w_sorted [S] in the activations' dtype -> (<g, act> [S] in ``w_dtype``, act * w [S, I], d[gate; up]
+    [S, 2I]), None where not needed."""
+    S, I2 = gu.shape
+    inter = I2 // 2
+    if gu.stride(1) != 1:
+        gu = gu.contiguous()
+    g = g.contiguous()
+    w_sorted = w_sorted.contiguous()
+    dev, dt = gu.device, gu.dtype
+    dws = torch.empty(S, device=dev, dtype=torch.float32) if need_w else None
+    act_w = torch.empty(S, inter, device=dev, dtype=dt) if need_down else None
+    dgu = torch.empty(S, I2, device=dev, dtype=dt) if need_dgu else None
+    if S and inter and (need_w or need_down or need_dgu):
+        interp = triton_interpreting()
+        rows, block = (4, 16) if interp else (4, min(256, triton.next_power_of_2(inter)))
+        dummy = g
+        _act_grads_kernel[(triton.cdiv(S, rows),)](
+            gu, g, w_sorted, dws if need_w else dummy, act_w if need_down else dummy,
+            dgu if need_dgu else dummy, S, inter, gu.stride(0), DT=_TL[dt], NEED_W=need_w, NEED_DOWN=need_down,
+            NEED_DGU=need_dgu, ROWS=rows, BLOCK=block, num_warps=1 if interp else 4)
+    elif need_w:
+        dws.zero_()
+    return (None if dws is None else dws.to(w_dtype)), act_w, dgu
+
+
 class _TritonSums(ExpertKernels):
-    """The reference's grouped matmuls with the per-token sums in Triton."""
+    """The reference's grouped matmuls with the per-token sums and the backward's activation step in Triton."""
 
     @staticmethod
     def gather_sum(rows, index, weights):
         return gather_sum_triton(rows, index, weights)
 
+    @staticmethod
+    def act_grads(gu, g, w_sorted, w_dtype, need_w: bool, need_down: bool, need_dgu: bool):
+        return act_grads_triton(gu, g, w_sorted, w_dtype, need_w, need_down, need_dgu)
+
 
 def moe_experts_triton(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    """The torch reference's experts (grouped matmuls where they work) with its two per-token sums in Triton."""
+    """The torch reference's experts (grouped matmuls where they work) with its two per-token sums and its
+    backward's activation step in Triton."""
     return run_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped=True,
                        kernels=_TritonSums)

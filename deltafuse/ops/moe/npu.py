@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from deltafuse.ops.moe.reference import gather_sum_torch, run_experts
+from deltafuse.ops.moe.reference import ExpertKernels, run_experts
 
 
-class _NpuMatmuls:
-    """The ``mats`` object of ``_MoeExperts``: grouped matmuls through torch_npu.npu_grouped_matmul."""
+class _NpuMatmuls(ExpertKernels):
+    """The kernels of ``_MoeExperts`` with the grouped matmuls through torch_npu.npu_grouped_matmul (the
+    per-token sums and the activation step are the reference's torch ones)."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
@@ -50,11 +51,6 @@ class _NpuMatmuls:
                                            group_type=2, group_list_type=0)[0]
         counts = torch.diff(offs, prepend=offs.new_zeros(1))
         return torch.where((counts > 0).view(-1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-    @staticmethod
-    def gather_sum(rows, index, weights):
-        """The torch reference's per-token weighted sum (a gather and a reduction on the NPU)."""
-        return gather_sum_torch(rows, index, weights)
 
 
 def moe_experts_npu(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):

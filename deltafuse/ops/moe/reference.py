@@ -149,8 +149,8 @@ class _Plan:
 
 
 class ExpertKernels:
-    """The kernels of ``_MoeExperts``: grouped matmuls (``mm``, ``wgrad``) and the per-token weighted sum over a
-    token's slots (``gather_sum``)."""
+    """The kernels of ``_MoeExperts``: grouped matmuls (``mm``, ``wgrad``), the per-token weighted sum over a
+    token's slots (``gather_sum``) and the backward's activation step (``act_grads``)."""
 
     def __init__(self, grouped: bool, n_experts: int, zero_empty: bool):
         self.grouped, self.n_experts, self.zero_empty = grouped, n_experts, zero_empty
@@ -174,6 +174,14 @@ class ExpertKernels:
     @staticmethod
     def gather_sum(rows, index, weights):
         return gather_sum_torch(rows, index, weights)
+
+    @staticmethod
+    def act_grads(gu, g, w_sorted, w_dtype, need_w: bool, need_down: bool, need_dgu: bool):
+        """What the backward needs of the activation ``act = silu(gate) * up`` (``gu`` = [gate; up], [S, 2I]),
+        given ``g`` = dout_n @ down[e] ([S, I]) and the sorted slots' routing weights ``w_sorted`` ([S]):
+        (<g, act> per slot in ``w_dtype``, act * w, d[gate; up] of act for the upstream g * w), each None
+        where not needed."""
+        return act_grads_torch(gu, g, w_sorted, w_dtype, need_w, need_down, need_dgu)
 
 
 # Devices whose embedding_bag reads rows by index and sums them per bag with a floating-point accumulator of at
@@ -215,6 +223,23 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return swiglu(gate, up)
 
 
+def act_grads_torch(gu, g, w_sorted, w_dtype, need_w: bool, need_down: bool, need_dgu: bool):
+    """``ExpertKernels.act_grads`` in torch: SiLU * up recomputed through the swiglu op (to reuse its
+    backward), the row dots as one batched product with an fp32 accumulator."""
+    inter = gu.shape[1] // 2
+    with torch.enable_grad():
+        gate = gu[:, :inter].detach().requires_grad_()
+        up = gu[:, inter:].detach().requires_grad_()
+        act = _swiglu(gate, up)
+    dws = _row_dots(g, act.detach(), w_dtype) if need_w else None
+    act_w = act.detach() * w_sorted[:, None] if need_down else None
+    dgu = None
+    if need_dgu:
+        dgate, dup = torch.autograd.grad(act, (gate, up), g * w_sorted[:, None])
+        dgu = torch.cat([dgate, dup], dim=-1)
+    return dws, act_w, dgu
+
+
 class _MoeExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, top_k_weights, gate_up, down, top_k_index, mats, needs):
@@ -251,23 +276,17 @@ class _MoeExperts(torch.autograd.Function):
         do_g = dout[plan.token]  # [S, H]: d(out) at each sorted slot's token
         w_sorted = top_k_weights.reshape(-1)[plan.perm].to(dt)
         g = mats.mm(do_g, down, plan.offs)  # [S, I] = dout_n @ down[e]
-        with torch.enable_grad():  # recompute SiLU * up through the swiglu op, to reuse its backward
-            gate = gu[:, :inter].detach().requires_grad_()
-            up = gu[:, inter:].detach().requires_grad_()
-            act = _swiglu(gate, up)
+        dws, act_w, dgu = mats.act_grads(gu, g, w_sorted, top_k_weights.dtype, need_w, need_down,
+                                         need_h or need_gu)
+        del g
         d_w = d_down = d_gu = d_hidden = None
-        if need_w:
-            # <g, act> per sorted slot, back in token order by one gather through the inverse permutation
-            dws = _row_dots(g, act.detach(), top_k_weights.dtype)
+        if need_w:  # back in token order by one gather through the inverse permutation
             d_w = dws[plan.inverse()].view(n, plan.k)
         if need_down:
-            d_down = mats.wgrad(do_g, act.detach() * w_sorted[:, None], plan.offs)
+            d_down = mats.wgrad(do_g, act_w, plan.offs)
+            del act_w
         del do_g
-        if need_h or need_gu:
-            dgate, dup = torch.autograd.grad(act, (gate, up), g * w_sorted[:, None])
-            del act, g
-            dgu = torch.cat([dgate, dup], dim=-1)
-            del dgate, dup
+        if dgu is not None:
             if need_h:
                 # before the [E, 2I, H] weight gradient exists, so that the [S, H] data gradient is freed by
                 # then; summed over each token's k slots straight from expert order (fp32 accumulator,
@@ -281,8 +300,8 @@ class _MoeExperts(torch.autograd.Function):
 
 
 def run_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, make_mats):
-    """The experts autograd Function with the kernels of ``make_mats()`` (an object with ``mm``, ``wgrad`` and
-    ``gather_sum`` as ``ExpertKernels`` has); a call that routes no token returns zeros still tied to the inputs."""
+    """The experts autograd Function with the kernels of ``make_mats()`` (an object with ``mm``, ``wgrad``,
+    ``gather_sum`` and ``act_grads`` as ``ExpertKernels`` has); a call that routes no token returns zeros still tied to the inputs."""
     grad = torch.is_grad_enabled()
     needs = tuple(grad and t.requires_grad for t in (hidden, top_k_weights, gate_up_proj, down_proj))
     if top_k_index.numel() == 0:

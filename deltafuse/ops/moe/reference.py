@@ -270,7 +270,6 @@ class _MoeExperts(torch.autograd.Function):
         plan, mats = ctx.plan, ctx.mats
         need_h, need_w, need_gu, need_down = ctx.needs
         n, hdim = hidden.shape
-        inter = down.shape[2]
         dt = hidden.dtype
         dout = dout.to(dt).contiguous()
         do_g = dout[plan.token]  # [S, H]: d(out) at each sorted slot's token

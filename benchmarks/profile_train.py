@@ -157,13 +157,57 @@ def main(argv=None) -> int:
                    help="with FLA installed and --no-deltafuse: set fla.ops.common.chunk_o.IS_NVIDIA_HOPPER=False "
                         "where FLA refuses its GDN backward (Hopper, Triton < 3.7.1), for timing only: its "
                         "gradients are known to be wrong there")
+    p.add_argument("--force-backend", action="append", default=[], metavar="OP=NAME",
+                   help="serve op OP by its candidate NAME wherever a call leaves the choice to the registry, as "
+                        "a per-call backend=NAME would (e.g. moe_experts=torch, for an A/B of one op's "
+                        "candidates inside the step); repeatable")
     args = p.parse_args(ours)
     if args.fla_lift_hopper_guard and "--no-deltafuse" not in train_argv:
         p.error("--fla-lift-hopper-guard times FLA's route: add --no-deltafuse after --")
+    forced = _forced_backends(p, args.force_backend)
     from deltafuse.bench.impls import lifted_fla_hopper_guard
 
-    with lifted_fla_hopper_guard(args.fla_lift_hopper_guard):
+    with lifted_fla_hopper_guard(args.fla_lift_hopper_guard), _forcing(forced):
         return _run(args, train_argv)
+
+
+def _forced_backends(p, items: list[str]) -> dict[str, str]:
+    from deltafuse.backends import REGISTRY
+
+    forced = {}
+    for item in items:
+        op, sep, name = item.partition("=")
+        if not sep or op not in REGISTRY.ops:
+            p.error(f"--force-backend {item!r}: expected OP=NAME with OP one of {', '.join(REGISTRY.ops)}")
+        names = [c.name for c in REGISTRY.candidates(op)]
+        if name not in names:
+            p.error(f"--force-backend {item!r}: {op} has no candidate {name!r}; allowed: {', '.join(names)}")
+        forced[op] = name
+    return forced
+
+
+class _forcing:
+    """Inside: ``deltafuse.ops._library.select`` (how every op asks the registry) passes ``forced[op]`` as the
+    backend of a call that names none."""
+
+    def __init__(self, forced: dict[str, str]):
+        self.forced = forced
+
+    def __enter__(self):
+        from deltafuse.ops import _library
+
+        self.lib, self.original = _library, _library.select
+        forced, original = self.forced, self.original
+
+        def select(op, backend, mask, *tensors):
+            return original(op, forced.get(op, backend) if backend is None else backend, mask, *tensors)
+
+        if forced:
+            _library.select = select
+        return self
+
+    def __exit__(self, *exc):
+        self.lib.select = self.original
 
 
 def _run(args, train_argv) -> int:

@@ -53,14 +53,14 @@ from deltafuse.ops._amp import no_autocast_backward
 MIN_CHUNK = 256
 MIN_CHUNK_TRAINABLE_HEAD = 1024
 # Vocabulary-blocked way: vocabulary columns per block and tokens per chunk by default. A chunk then holds a
-# [chunk, block] tile of logits (16 MiB in bf16) and a [chunk, H] fp32 accumulator (8 MiB at H = 2,048),
-# against Liger's 30 MiB of logits at 4,096 tokens (its chunk there is 64 tokens x 248,320). Chosen on the
-# H200 (BENCHMARKS.md#loss-vocab-blocks, frozen head, 4,096 / 16,384 tokens): 1024 x 8192 took 16.4 / 58.5 ms
-# at 40 / 88 MiB; 1024 x 4096 19.2 / 69.4 ms (each tile costs ~0.1 ms of host time, so small tiles leave the GPU
-# waiting); 2048 x 4096 18.2 / 60.1 ms at 48 / 96 MiB; whole-vocabulary 256-token chunks 16.5 / 65.8 ms at 137 /
-# 185 MiB.
+# [chunk, block] tile of logits (64 MiB in bf16) and a [chunk, H] fp32 accumulator (32 MiB at H = 2,048).
+# Chosen on the H200 (frozen head, H = 2,048, V = 248,320, 4,096 / 16,384 tokens): each tile costs host time
+# (several launches), so fewer, larger tiles keep the GPU fed. 4096 x 8192 took 14.4 / 56.6 ms at 112 / 160 MiB
+# against 22.3 / 67.4 ms at 40 / 88 MiB for 1024 x 8192 and 14.6 / 58.1 ms for 2048 x 8192, in one run
+# (BENCHMARKS.md#loss-tiles-s13); stock takes 97.6 ms and 46,560 MiB at 16,384 tokens. Earlier runs:
+# BENCHMARKS.md#loss-vocab-blocks.
 VOCAB_CHUNK = 8192
-BLOCKED_CHUNK = 1024
+BLOCKED_CHUNK = 4096
 # A [V, H] fp32 weight-gradient accumulator is used for low-precision heads up to this many elements.
 FP32_ACCUMULATE_MAX = 1 << 24
 

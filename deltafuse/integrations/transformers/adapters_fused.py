@@ -172,9 +172,11 @@ def _routable_attention(module, is_causal, kwargs) -> bool:
 
 # Packed rows at least this long get sequence-by-sequence attention instead of transformers' dense
 # block-causal mask: all T x T pairs cost ~16x the per-sequence work at 4096 tokens of ~250-token examples
-# and grow with T (~260x at 65,536). H200, 16,384 tokens, fwd+bwd of one layer's attention: dense 71 ms,
-# varlen 2.8 ms (BENCHMARKS.md#packed-attention). Shorter rows keep transformers' path: not timed below 16,384.
-PACKED_ATTENTION_MIN_TOKENS = 8192
+# and grow with T (~260x at 65,536). H200, fwd+bwd of one layer's attention (16 / 2 heads of 256, ~270-token
+# sequences, wall time with the host's): 16,384 tokens dense 71 ms, varlen 2.8 ms
+# (BENCHMARKS.md#packed-attention); 8,192 / 4,096 / 2,048 / 1,024 tokens dense 18.1 / 5.0 / 1.67 / 0.90 ms,
+# varlen 1.52 / 1.25 / 0.98 / 0.91 ms (BENCHMARKS.md#packed-attention-s13): varlen from 2,048 tokens on.
+PACKED_ATTENTION_MIN_TOKENS = 2048
 
 
 def _packed_offsets(query, key, kwargs):

@@ -101,7 +101,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     fp32 (fp64 for fp64 inputs).
 
     Memory: ``chunk_size`` tokens are projected at a time, to ``vocab_chunk_size`` vocabulary columns at a time.
-    Vocabulary blocks keep the temporaries to [chunk, block] (default 1,024 x 8,192); they cost nothing extra
+    Vocabulary blocks keep the temporaries to [chunk, block] (default 4,096 x 8,192); they cost nothing extra
     with a frozen head (LoRA) and one more projection per token with a trainable head or bias. Default: blocks
     for a frozen head with the Triton backend and a vocabulary above 8,192; otherwise whole-vocabulary chunks
     of a power of two near tokens * H / V tokens (at least 256, at least 1,024 with a trainable head). A
@@ -231,7 +231,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
     Rows whose target is ``ignore_index`` give 0, 0 and False and no gradient. ``temperature`` > 0 divides the
     logits. Memory: ``chunk_size`` tokens are projected ``vocab_chunk_size`` columns at a time (defaults:
-    Triton 1,024 x 8,192; torch whole-vocabulary chunks). With a frozen head the hidden gradient is computed in
+    Triton 4,096 x 8,192; torch whole-vocabulary chunks). With a frozen head the hidden gradient is computed in
     the forward ([N, H] fp32 kept for the backward) and the backward is a row scaling; with a trainable head or
     bias, or a gradient reaching the entropy, the backward projects the blocks again. ``backend=`` may force
     'triton' or 'torch'. Autocast: as ``fused_linear_cross_entropy`` (inputs cast as for a linear layer, then

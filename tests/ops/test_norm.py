@@ -70,6 +70,32 @@ def test_triton_gated_matches_float64(shape):
            lambda x, g, w: naive_rms_norm_gated(x, g, w, 1e-6), [t.to(DEVICE) for t in (x, g, w)], 2e-6, "xgw")
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_triton_frozen_weight_gets_no_gradient_and_inputs_still_match_float64(gated):
+    """A norm weight that needs no gradient (LoRA freezes it): no weight gradient, and the input (and gate)
+    gradients still equal the float64 oracle, every element; the kernel writes no weight partials then."""
+    k = _kernel()
+    shape, D = (5, 3, 40), 40
+    x, g, w = torch.randn(shape), 2 * torch.randn(shape), 1 + 0.3 * torch.randn(D)
+    leaves = [_leaf(t) for t in ((x, g) if gated else (x,))]
+    wt = w.to(DEVICE)  # frozen
+    out = k.rms_norm_gated_triton(*leaves, wt, 1e-6) if gated else k.rms_norm_zero_centered_triton(*leaves, wt, 1e-6)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    refs = [t.double().requires_grad_() for t in ((x, g) if gated else (x,))]
+    ref = naive_rms_norm_gated(*refs, w.double(), 1e-6) if gated else naive_rms_norm_zero_centered(*refs, w.double(),
+                                                                                                  1e-6)
+    ref.backward(dy.double())
+    assert wt.grad is None
+    assert_rel_close(out, ref, 2e-6, "out")
+    for name, a, b in zip("xg", leaves, refs):
+        assert_rel_close(a.grad, b.grad, 2e-6, f"d{name}")
+    # the backward itself, asked for no weight gradient, returns none
+    _, x2s, g2s, rstd = k._forward(leaves[0].detach(), leaves[1].detach() if gated else None, wt, 1e-6)
+    dx, dg, dw = k._backward(dy.reshape(-1, D), x2s, g2s, wt, rstd, False)
+    assert dw is None and dx.shape == (15, D) and (dg is not None) == gated
+
+
 def test_triton_reads_strided_rows_in_place():
     """q_norm's input is a strided view (one half of q_proj's output per head): read without a copy."""
     k = _kernel()

@@ -10,7 +10,8 @@ promoted dtype of w and x before the fp32 gate multiply), so low-precision outpu
 modules up to the summation order of the mean.
 
 Backward: a persistent grid; each program walks tiles, writes dx (and dgate), and accumulates its partial
-weight gradient in fp32; the partials are summed on the host side with one torch reduction.
+weight gradient in fp32; the partials are summed on the host side with one torch reduction. A weight that
+needs no gradient (a frozen norm under LoRA) gets no partials: no accumulator, no buffer, no reduction.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _rms_fwd_kernel(X, G, W, Y, RSTD, n_rows, D, stride_x, stride_g, stride_y, e
 def _rms_bwd_kernel(X, G, W, DY, DX, DG, DW_PART, RSTD, n_rows, D, stride_x, stride_g, stride_dy,
                     stride_dx, stride_dg, n_tiles,
                     GATED: tl.constexpr, X_DT: tl.constexpr, P_DT: tl.constexpr,
-                    ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+                    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, WANT_DW: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
@@ -82,17 +83,21 @@ def _rms_bwd_kernel(X, G, W, DY, DX, DG, DW_PART, RSTD, n_rows, D, stride_x, str
             dp = dy * (g * sig)
             dg = dy * p * (sig * (1.0 + g * (1.0 - sig)))
             tl.store(DG + r64[:, None] * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
-            acc += dp * nq
+            if WANT_DW:
+                acc += dp * nq
             dn = dp * w[None, :]
         else:
-            acc += dy * n
+            if WANT_DW:
+                acc += dy * n
             dn = dy * (1.0 + w[None, :])
         dot = tl.sum(dn * n, axis=1) / D
         dx = rstd[:, None] * (dn - n * dot[:, None])
         tl.store(DX + r64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW_PART + pid * D + cols, tl.sum(acc, axis=0), mask=cmask)
+    if WANT_DW:
+        tl.store(DW_PART + pid * D + cols, tl.sum(acc, axis=0), mask=cmask)
 
 
+@functools.lru_cache(maxsize=64)
 def _config(D: int):
     block_d = triton.next_power_of_2(D)
     if block_d > MAX_D:
@@ -155,7 +160,8 @@ def _backward(dy, x2, g2, weight, rstd, want_dw):
     block_d, rows, warps = _config(D)
     n_tiles = triton.cdiv(n_rows, rows)
     nprog = _n_programs(n_tiles, x2.device)
-    dw_part = torch.zeros((nprog, D), dtype=torch.float32, device=x2.device)
+    # every program writes its row of partials; none are made when the weight needs no gradient (a frozen norm)
+    dw_part = torch.empty((nprog, D) if want_dw else (1,), dtype=torch.float32, device=x2.device)
     pdt = torch.promote_types(weight.dtype, x2.dtype)
     if n_rows:
         _rms_bwd_kernel[(nprog,)](
@@ -163,7 +169,9 @@ def _backward(dy, x2, g2, weight, rstd, want_dw):
             n_rows, D, x2.stride(0), g2.stride(0) if g2 is not None else 0, dy2.stride(0), dx.stride(0),
             dg.stride(0) if dg is not None else 0, n_tiles,
             GATED=g2 is not None, X_DT=_tl_dtype(x2.dtype), P_DT=_tl_dtype(pdt),
-            ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+            ROWS=rows, BLOCK_D=block_d, WANT_DW=bool(want_dw), num_warps=warps)
+    elif want_dw:
+        dw_part.zero_()
     dw = dw_part.sum(0).to(weight.dtype) if want_dw else None
     return dx, dg, dw
 

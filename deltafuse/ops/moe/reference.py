@@ -300,7 +300,8 @@ class _MoeExperts(torch.autograd.Function):
 
 def run_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, make_mats):
     """The experts autograd Function with the kernels of ``make_mats()`` (an object with ``mm``, ``wgrad``,
-    ``gather_sum`` and ``act_grads`` as ``ExpertKernels`` has); a call that routes no token returns zeros still tied to the inputs."""
+    ``gather_sum`` and ``act_grads`` as ``ExpertKernels`` has); a call that routes no token returns zeros still
+    tied to the inputs."""
     grad = torch.is_grad_enabled()
     needs = tuple(grad and t.requires_grad for t in (hidden, top_k_weights, gate_up_proj, down_proj))
     if top_k_index.numel() == 0:
@@ -311,7 +312,7 @@ def run_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mak
 
 def run_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, grouped: bool, kernels=None):
     """``run_experts`` with torch's grouped matmuls where they work (``grouped``) and the kernels class
-    ``kernels`` (default ``ExpertKernels``; a subclass may replace ``gather_sum``)."""
+    ``kernels`` (default ``ExpertKernels``; a subclass may replace ``gather_sum`` and ``act_grads``)."""
     dev = hidden.device
     cls = ExpertKernels if kernels is None else kernels
 

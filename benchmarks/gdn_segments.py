@@ -26,7 +26,6 @@ segments are on different devices and the sequential relay is the cost.
 from __future__ import annotations
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from deltafuse.ops import _checks
 from deltafuse.ops.gated_delta.chunk_launch import BT
@@ -36,20 +35,9 @@ from deltafuse.ops.gated_delta.kernel import chunk_gated_delta_rule_triton
 LONG = 16384
 SEGMENT = 4096
 
-_OFFSETS = WeakIdKeyDictionary()  # the segment offsets tensors built here -> (version, values)
-
-
-def _known(cu: torch.Tensor):
-    got = _OFFSETS.get(cu)
-    return got[1] if got is not None and got[0] == cu._version else None
-
-
-_checks.register_host_offsets(_known)
-
-
 def _offsets_tensor(bounds: list[int], device) -> torch.Tensor:
     cu = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)
-    _OFFSETS[cu] = (cu._version, tuple(bounds))
+    _checks.remember_host_offsets(cu, bounds)  # the ops take the values from here, never from the device
     return cu
 
 

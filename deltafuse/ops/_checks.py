@@ -19,6 +19,7 @@ import types
 import typing
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from deltafuse import config
 
@@ -198,29 +199,29 @@ def values_checkable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or config.env_switch("DELTAFUSE_VALIDATE")
 
 
-# Lookups ``cu -> tuple[int, ...] | None`` of layers that know the values of the offsets tensors they built
-# (registered by them; the ops layer keeps no copy itself).
-_HOST_OFFSETS_LOOKUPS: list = []
+# Host copies of offsets tensors, kept by whoever built them (the packing layer, a benchmark): tensor ->
+# (its version when remembered, the values). Weakly keyed by identity, so an entry goes with its tensor, and an
+# entry of a tensor changed in place since (a new version) is not used.
+_HOST_OFFSETS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def register_host_offsets(lookup) -> None:
-    """Register ``lookup(cu)``: the host-side values of an offsets tensor its caller built, or None."""
-    if lookup not in _HOST_OFFSETS_LOOKUPS:
-        _HOST_OFFSETS_LOOKUPS.append(lookup)
+def remember_host_offsets(cu: torch.Tensor, offsets) -> None:
+    """Keep ``offsets``, the values of the offsets tensor ``cu`` its caller built, on the host for the ops while
+    ``cu`` lives unchanged (the ops then never read ``cu`` back from the accelerator)."""
+    _HOST_OFFSETS[cu] = (cu._version, tuple(offsets))
 
 
 def known_host_offsets(cu: torch.Tensor) -> tuple[int, ...] | None:
-    """The values of ``cu`` as a registered lookup knows them (no device read), else None."""
-    for lookup in _HOST_OFFSETS_LOOKUPS:
-        known = lookup(cu)
-        if known is not None and len(known) == cu.numel():
-            return known
+    """The values of ``cu`` as remembered (no device read), else None."""
+    known = _HOST_OFFSETS.get(cu)
+    if known is not None and known[0] == cu._version and len(known[1]) == cu.numel():
+        return known[1]
     return None
 
 
 def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
-    """The values of a 1-D offsets tensor as Python ints: as a registered lookup knows them, else read from
-    the tensor (which waits for the accelerator)."""
+    """The values of a 1-D offsets tensor as Python ints: as remembered (``remember_host_offsets``), else read
+    from the tensor (which waits for the accelerator)."""
     known = known_host_offsets(cu)
     return known if known is not None else tuple(int(x) for x in cu.tolist())
 

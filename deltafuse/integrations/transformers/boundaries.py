@@ -38,23 +38,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from deltafuse.ops import _checks
-
-# Host copies of the offsets of every live Packing: cu_seqlens tensor -> (its version, the offsets).
-_HOST_OFFSETS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _known_offsets(cu: torch.Tensor) -> tuple[int, ...] | None:
-    """The host copy of ``cu``'s values while ``cu`` is unchanged since a Packing built it, else None."""
-    known = _HOST_OFFSETS.get(cu)
-    if known is not None and known[0] == cu._version:
-        return known[1]
-    return None
-
-
-_checks.register_host_offsets(_known_offsets)
+from deltafuse.ops._checks import remember_host_offsets
 
 
 class PackingError(ValueError):
@@ -177,11 +162,6 @@ def packing_from_starts(starts: torch.Tensor) -> Packing | None:
     host = tuple(int(v) for v in offsets.tolist()) + (B * T,)
     remember_host_offsets(cu_seqlens, host)
     return Packing(seq_idx, cu_seqlens, B, T, host)
-
-
-def remember_host_offsets(cu_seqlens: torch.Tensor, offsets: tuple[int, ...]) -> None:
-    """Keep ``offsets``, the values of ``cu_seqlens``, on the host for the ops while the tensor lives unchanged."""
-    _HOST_OFFSETS[cu_seqlens] = (cu_seqlens._version, tuple(offsets))
 
 
 def text_positions(position_ids: torch.Tensor) -> torch.Tensor | None:

@@ -7,15 +7,7 @@
 
 from __future__ import annotations
 
-from deltafuse import config as _config
-from deltafuse.backends import REGISTRY as _REGISTRY
-
 __version__ = "0.1.0"
-
-# The composition root: the backend registry fills itself from the op packages the first time it is asked,
-# and the settings take the backend names that may be forced from it.
-_REGISTRY.add_source("deltafuse.ops")
-_config.use_registry(_REGISTRY)
 
 __all__ = ["apply", "revert", "patched", "info", "PatchReport", "__version__"]
 

@@ -4,13 +4,11 @@ Switches accept 1/0, true/false, yes/no, on/off (any case). Anything else raises
 the variable, the value and what is allowed. The seed project's ``TWINKLE_NPU_*`` names are accepted as
 aliases; when both spellings are set and disagree, the ``DELTAFUSE_*`` value wins and a warning says so.
 
-Every environment variable deltafuse reads is parsed here and nowhere else: ``load_settings`` for the
-whole ``DELTAFUSE_*`` set, ``env_switch`` / ``env_backend`` for code that reads one of them per call (the
-ops, the registry), ``triton_interpreting`` for ``TRITON_INTERPRET`` (read as Triton itself reads it).
-
-The backend names that may be forced are the ones registered, plus ``auto``. This module imports no other
-deltafuse module: the package root connects the backend registry (``use_registry``), so importing any part
-of deltafuse leaves it connected.
+The switches are parsed here (``switch_value``; ``env_switch`` for code that reads one of them per call, the
+ops), and ``TRITON_INTERPRET`` as Triton itself reads it (``triton_interpreting``). ``DELTAFUSE_BACKEND``,
+whose allowed values are the backend names the registry holds, is parsed next to the registry, in
+``deltafuse.backends.settings``, which also reads the whole set (``load_settings``). This module imports no
+other deltafuse module.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import importlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Mapping
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -76,57 +74,6 @@ def parse_bool(name: str, value: str) -> bool:
     raise SettingsError(f"{name}={value!r} is not a switch value; allowed (any case): {allowed}")
 
 
-class BackendNames(Protocol):
-    """What settings need from the backend registry: its names, and a number that changes with them."""
-
-    version: int
-
-    def backend_names(self) -> tuple[str, ...]: ...
-
-
-_registry: list[BackendNames | None] = [None]
-
-
-def use_registry(registry: BackendNames) -> None:
-    """Take the names that may be forced from ``registry`` (the package root passes deltafuse's registry)."""
-    _registry[0] = registry
-
-
-def forceable_backends() -> tuple[str, ...]:
-    """'auto' and every backend name some op has registered (in registration order)."""
-    registry = _registry[0]
-    if registry is None:  # only while the package root itself is being imported
-        raise RuntimeError("deltafuse.config has no backend registry yet (the deltafuse package connects it)")
-    return ("auto",) + registry.backend_names()
-
-
-def parse_backend(name: str, value) -> str:
-    """The backend named by ``value`` (env variable or argument ``name``), lower-cased; '' means 'auto'.
-
-    Allowed: 'auto' and every registered backend name. An op that has no backend of that name keeps its own
-    automatic choice (a per-call ``backend=`` the op lacks is refused by ``deltafuse.backends.select``)."""
-    allowed = forceable_backends()
-    if not isinstance(value, str):
-        raise SettingsError(f"{name}={value!r} is not a backend name (a str, got {type(value).__name__}); "
-                            f"allowed: {', '.join(allowed)}")
-    word = value.strip().lower() or "auto"
-    if word not in allowed:
-        raise SettingsError(f"{name}={value!r} is not a backend; allowed: {', '.join(allowed)}")
-    return word
-
-
-@functools.lru_cache(maxsize=16)
-def _env_backend(raw: str | None, _names_version: int) -> str:
-    return "auto" if raw is None else parse_backend("DELTAFUSE_BACKEND", raw)
-
-
-def env_backend() -> str:
-    """DELTAFUSE_BACKEND read from ``os.environ`` now: 'auto' when unset (cheap per call: parsed once per
-    distinct value and set of registered names); raises ``SettingsError`` for a name nothing registered."""
-    registry = _registry[0]
-    return _env_backend(os.environ.get("DELTAFUSE_BACKEND"), -1 if registry is None else registry.version)
-
-
 @functools.lru_cache(maxsize=None)
 def _triton_module():
     try:
@@ -151,7 +98,7 @@ def triton_interpreting() -> bool:
 @functools.lru_cache(maxsize=64)
 def _env_switch(name: str, raw: str | None) -> bool:
     sw = next(s for s in SWITCHES if s.name == name)
-    return _switch({} if raw is None else {name: raw}, sw)
+    return switch_value({} if raw is None else {name: raw}, sw)
 
 
 def env_switch(name: str) -> bool:
@@ -160,7 +107,9 @@ def env_switch(name: str) -> bool:
     return _env_switch(name, os.environ.get(name))
 
 
-def _switch(env: Mapping[str, str], sw: Switch) -> bool:
+def switch_value(env: Mapping[str, str], sw: Switch) -> bool:
+    """The value of switch ``sw`` in ``env``: its DELTAFUSE_* name, else its alias (a warning when both are set
+    and disagree), else its default."""
     ours = env.get(sw.name)
     alias = env.get(sw.alias) if sw.alias is not None else None
     ours_v = parse_bool(sw.name, ours) if ours is not None and ours.strip() != "" else None
@@ -175,29 +124,3 @@ def _switch(env: Mapping[str, str], sw: Switch) -> bool:
     if alias_v is not None:
         return alias_v
     return sw.default
-
-
-def load_settings(env: Mapping[str, str] | None = None) -> Settings:
-    """Read the switches from ``env`` (default: ``os.environ``)."""
-    env = os.environ if env is None else env
-    values = {sw.field: _switch(env, sw) for sw in SWITCHES}
-    raw_backend = env.get("DELTAFUSE_BACKEND")
-    backend = "auto" if raw_backend is None else parse_backend("DELTAFUSE_BACKEND", raw_backend)
-    return Settings(backend=backend, **values)
-
-
-def resolve(settings: Settings, **overrides) -> Settings:
-    """Settings with the non-None keyword arguments of ``apply`` taking precedence over the environment."""
-    fields = {}
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        if key == "backend":
-            fields[key] = parse_backend("backend", value)
-        elif key in ("patch", "gdn", "fused_ops", "moe"):
-            if not isinstance(value, bool):
-                raise SettingsError(f"{key}={value!r} must be True, False or None (take the environment)")
-            fields[key] = value
-        else:
-            raise SettingsError(f"unknown setting {key!r}; known: patch, gdn, fused_ops, moe, backend")
-    return Settings(**{**settings.__dict__, **fields})

@@ -9,7 +9,7 @@ import torch
 from deltafuse import backends
 from deltafuse.backends import probes
 from deltafuse.backends.registry import CallInfo
-from deltafuse.config import load_settings
+from deltafuse.backends.settings import load_settings
 
 
 def _dtype_for(device: torch.device) -> torch.dtype:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from deltafuse import backends
-from deltafuse.config import load_settings, resolve
+from deltafuse.backends.settings import load_settings, resolve
 from deltafuse.integrations.transformers.patcher import Ledger, PatchReport, ReportRow
 from deltafuse.maps import PATCHER, SWITCH_OPS
 from deltafuse.integrations.transformers import context_parallel as _context_parallel

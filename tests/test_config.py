@@ -3,7 +3,8 @@ import warnings
 import pytest
 
 from deltafuse.backends import REGISTRY
-from deltafuse.config import Settings, SettingsError, env_switch, forceable_backends, load_settings, resolve
+from deltafuse.backends.settings import forceable_backends, load_settings, resolve
+from deltafuse.config import Settings, SettingsError, env_switch
 
 
 def test_defaults_all_on():

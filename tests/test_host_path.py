@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deltafuse import backends, config, ops
+from deltafuse.backends import settings
 from deltafuse.backends import REGISTRY, BackendError, CallInfo, Candidate
 from deltafuse.ops import _checks
 from deltafuse.ops.gated_delta.candidates import CHUNK
@@ -213,15 +214,15 @@ def test_environ_read_matches_os_environ(monkeypatch, value):
         monkeypatch.delenv("DELTAFUSE_BACKEND", raising=False)
     else:
         monkeypatch.setenv("DELTAFUSE_BACKEND", value)
-    assert config.env_backend() == ("auto" if value is None else config.parse_backend("DELTAFUSE_BACKEND", value))
+    assert settings.env_backend() == ("auto" if value is None else settings.parse_backend("DELTAFUSE_BACKEND", value))
 
 
 def test_environ_read_with_a_plain_mapping_in_place_of_os_environ(monkeypatch):
     monkeypatch.setattr(os, "environ", {"DELTAFUSE_BACKEND": "torch", "DELTAFUSE_VALIDATE": "yes"})
-    assert config.env_backend() == "torch"
+    assert settings.env_backend() == "torch"
     assert config.env_switch("DELTAFUSE_VALIDATE") is True
     monkeypatch.setattr(os, "environ", {})
-    assert config.env_backend() == "auto"
+    assert settings.env_backend() == "auto"
     assert config.env_switch("DELTAFUSE_VALIDATE") is False
 
 

@@ -56,7 +56,7 @@ def test_the_integration_packages_wire_nothing_on_import():
 # an application on ``patching``, not a map, so it sits with train/ and verify/.
 LAYERS = (
     ("deltafuse.argtypes", "deltafuse.model_names", "deltafuse.config", "deltafuse.exits"),
-    ("deltafuse.backends", "deltafuse"),  # the package root connects the registry to config, nothing else
+    ("deltafuse.backends", "deltafuse"),  # the package root imports nothing at import (lazy __getattr__)
     ("deltafuse.ops",),
     ("deltafuse.integrations",),
     ("deltafuse.maps", "deltafuse.patching", "deltafuse.models", "deltafuse.info", "deltafuse.auto"),

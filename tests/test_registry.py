@@ -295,7 +295,7 @@ def test_importing_backends_imports_no_op_and_asking_registers_every_op():
         "import sys\n"
         "import deltafuse.backends\n"
         "print(sorted(m for m in sys.modules if m.startswith('deltafuse.ops')))\n"
-        "from deltafuse.config import forceable_backends\n"
+        "from deltafuse.backends.settings import forceable_backends\n"
         "print(forceable_backends())\n"
         "print(len(deltafuse.backends.REGISTRY.ops))\n")
     ops_before, names, n_ops = out.splitlines()

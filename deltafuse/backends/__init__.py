@@ -8,7 +8,6 @@ root declares ``deltafuse.ops``) before it first answers, so every op is there w
 
 from __future__ import annotations
 
-from deltafuse import config
 from deltafuse.backends.registry import (
     REGISTRY,
     BackendError,
@@ -19,6 +18,7 @@ from deltafuse.backends.registry import (
     UnknownBackendError,
     call_info,
 )
+from deltafuse.backends import settings
 
 __all__ = ["REGISTRY", "BackendError", "CallInfo", "Candidate", "Decision", "Registry", "UnknownBackendError",
            "backend_override", "call_backend", "call_info", "current_backend", "select", "select_tensors",
@@ -32,7 +32,7 @@ def set_backend_override(name: str | None) -> None:
     """Force a backend for every op that has it (``apply(backend=...)``); None returns to the environment.
     An op without a backend of that name keeps its automatic choice."""
     global _forced
-    _forced = None if name is None else config.parse_backend("backend", name)
+    _forced = None if name is None else settings.parse_backend("backend", name)
 
 
 def backend_override() -> str | None:
@@ -44,7 +44,7 @@ def current_backend() -> str:
     """The forced backend in effect: apply()'s argument, else DELTAFUSE_BACKEND, else 'auto'."""
     if _forced is not None:
         return _forced
-    return config.env_backend()
+    return settings.env_backend()
 
 
 def call_backend(op: str, backend) -> str:
@@ -86,7 +86,7 @@ def select_tensors(op: str, backend: str | None, needs_grad: bool, tensors: tupl
     if backend is None:
         name = _forced
         if name is None:
-            name = config.env_backend()
+            name = settings.env_backend()
     else:
         name = call_backend(op, backend)
     return REGISTRY.select_tensors(op, name, needs_grad, tensors)

@@ -13,7 +13,7 @@ one dictionary lookup. The shape facts of an op are the few numbers its candidat
 ``Registry.set_facts``), never a sequence length, so the cache stays small.
 
 The registry fills itself on first use by importing its *sources* (module names whose import registers
-candidates; the package root declares ``deltafuse.ops``), so whoever asks it (``deltafuse info``, the
+candidates; deltafuse's ``REGISTRY`` names ``deltafuse.ops``), so whoever asks it (``deltafuse info``, the
 backend names that can be forced, ``DELTAFUSE_BACKEND``) sees every op. Registering never triggers that
 import.
 """
@@ -276,4 +276,5 @@ class Registry:
         return impl
 
 
-REGISTRY = Registry()
+# deltafuse's registry: it imports the op packages (each registers its candidates) the first time it is asked
+REGISTRY = Registry(sources=("deltafuse.ops",))

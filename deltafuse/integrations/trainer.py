@@ -43,7 +43,7 @@ import logging
 
 from transformers import TrainerCallback
 
-from deltafuse.config import load_settings, resolve
+from deltafuse.backends.settings import load_settings, resolve
 from deltafuse.maps import PATCHER
 from deltafuse.patching import PatchReport, find_model, patched
 

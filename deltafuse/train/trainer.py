@@ -219,7 +219,7 @@ def _train(args, stack: contextlib.ExitStack) -> dict:
 
 def _check(run: _Run) -> None:
     """Every check first: nothing heavy is built and nothing is written or moved before they all pass."""
-    from deltafuse.config import load_settings
+    from deltafuse.backends.settings import load_settings
 
     args = run.args
     resolve_defaults(args)

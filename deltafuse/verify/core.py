@@ -216,7 +216,7 @@ def forced_backend_problems(backend: str, device: torch.device, dtype: torch.dty
 
 
 def _servable_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
-    from deltafuse.config import forceable_backends
+    from deltafuse.backends.settings import forceable_backends
 
     return [b for b in forceable_backends() if not forced_backend_problems(b, device, dtype)]
 
@@ -228,7 +228,7 @@ def preflight(name_or_path: str | None, device: torch.device, dtype: torch.dtype
     model's family (None when ``name_or_path`` is None). Raises VerifyError / SettingsError /
     FileNotFoundError."""
     from deltafuse.backends import current_backend
-    from deltafuse.config import load_settings
+    from deltafuse.backends.settings import load_settings
     from deltafuse.maps import PATCHER
 
     settings = load_settings()  # SettingsError names the variable, the value and what is allowed

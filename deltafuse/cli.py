@@ -135,8 +135,8 @@ class _SubParsersAction(argparse._SubParsersAction):
 
 
 def check_environment(prog: str = "deltafuse") -> int:
-    """Parse every ``DELTAFUSE_*`` variable now (``deltafuse.backends.settings.load_settings``); 0 when they are all valid,
-    else 2 after one line on stderr naming the variable, the value and what is allowed. A ``DELTAFUSE_*`` name
+    """Parse every ``DELTAFUSE_*`` variable now (``deltafuse.backends.settings.load_settings``); 0 when they are
+    all valid, else 2 after one line on stderr naming the variable, the value and what is allowed. A ``DELTAFUSE_*`` name
     deltafuse does not know is warned about (one line): it has no effect."""
     from deltafuse.backends.settings import load_settings
     from deltafuse.config import SWITCHES, SettingsError

@@ -209,7 +209,8 @@ def test_loop_keeps_cudnn_attention_out():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
-def test_route_selection():
+def test_route_selection(monkeypatch):
+    from deltafuse.backends import probes
     from deltafuse.ops.attention import candidates as rows
     from deltafuse.backends.registry import CallInfo, Registry
 
@@ -222,9 +223,13 @@ def test_route_selection():
                                                                                   torch.float32, True))}
     assert cuda["torch"].chosen and cuda["varlen"].reason
     if packed_ops.varlen_api() is not None:
-        cuda = {d.candidate: d for d in reg.explain(rows.PACKED_ATTENTION, CallInfo(torch.device("cuda", 0),
-                                                                                      torch.bfloat16, True))}
-        assert cuda["varlen"].chosen
+        for cap, chosen in (((9, 0), "varlen"), ((8, 0), "varlen"), ((7, 5), "torch"), ((7, 0), "torch")):
+            monkeypatch.setattr(probes, "cuda_capability", lambda index, cap=cap: cap)
+            cuda = {d.candidate: d for d in reg.explain(rows.PACKED_ATTENTION, CallInfo(torch.device("cuda", 0),
+                                                                                          torch.bfloat16, True))}
+            assert cuda[chosen].chosen, (cap, cuda)
+            if chosen == "torch":  # GPUs before Ampere have no flash attention: the per-sequence loop
+                assert f"compute capability 8.0 or newer; this GPU has {cap[0]}.{cap[1]}" in cuda["varlen"].reason
 
 
 @gpu

@@ -64,7 +64,7 @@ import weakref
 import torch
 
 from deltafuse.integrations.transformers import packing as p
-from deltafuse.integrations.transformers.boundaries import Packing, remember_host_offsets, text_positions
+from deltafuse.integrations.transformers.boundaries import Packing, text_positions
 from deltafuse.integrations.transformers.call_args import all_ones_mask, call_argument, set_call_argument
 from deltafuse.integrations.transformers.cp_attention import attention
 from deltafuse.integrations.transformers.cp_exchange import (
@@ -73,6 +73,7 @@ from deltafuse.integrations.transformers.cp_exchange import (
 from deltafuse.integrations.transformers.cp_halo import halo_conv1d
 from deltafuse.integrations.transformers.cp_loss import causal_lm_forward
 from deltafuse.integrations.transformers.cp_relay import relay_gated_delta_rule
+from deltafuse.ops._checks import remember_host_offsets
 
 # The modules given the group attribute (``packing.CONTEXT_PARALLEL_ATTR``), to remove it on revert.
 _REGISTERED: list = []

@@ -49,18 +49,18 @@ def gather_sum_triton(rows: torch.Tensor, index: torch.Tensor, weights: torch.Te
     """out[n] = sum_j weights[n, j] * rows[index[n, j]] (weights None: the plain sum): rows [S, H], index and
     weights [N, k] -> [N, H] in rows' dtype, with an fp32 accumulator and one rounding."""
     n, k = index.shape
-    S, H = rows.shape
+    H = rows.shape[1]
     rows = rows.contiguous()
     index = index.contiguous()
     out = rows.new_empty(n, H)
     if n == 0 or H == 0:
         return out
-    block = min(MAX_BLOCK, triton.next_power_of_2(H))
-    if triton_interpreting():
-        block = min(block, 32)  # small blocks so that the interpreted tests reach several column blocks
+    interp = triton_interpreting()
+    # small blocks when interpreted, so that the tests reach several column blocks
+    block = min(32 if interp else MAX_BLOCK, triton.next_power_of_2(H))
     w = index if weights is None else weights.contiguous()
     _gather_sum_kernel[(n, triton.cdiv(H, block))](rows, index, w, out, H, K=k, HAS_W=weights is not None,
-                                                   BLOCK=block, num_warps=1 if triton_interpreting() else 4)
+                                                   BLOCK=block, num_warps=1 if interp else 4)
     return out
 
 

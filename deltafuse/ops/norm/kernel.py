@@ -161,18 +161,19 @@ def _backward(dy, x2, g2, weight, rstd, want_dw):
     n_tiles = triton.cdiv(n_rows, rows)
     nprog = _n_programs(n_tiles, x2.device)
     # every program writes its row of partials; none are made when the weight needs no gradient (a frozen norm)
-    dw_part = torch.empty((nprog, D) if want_dw else (1,), dtype=torch.float32, device=x2.device)
+    dw_part = torch.empty((nprog, D), dtype=torch.float32, device=x2.device) if want_dw else None
     pdt = torch.promote_types(weight.dtype, x2.dtype)
     if n_rows:
         _rms_bwd_kernel[(nprog,)](
-            x2, g2 if g2 is not None else x2, weight, dy2, dx, dg if dg is not None else dx, dw_part, rstd,
+            x2, g2 if g2 is not None else x2, weight, dy2, dx, dg if dg is not None else dx,
+            dw_part if want_dw else dx, rstd,
             n_rows, D, x2.stride(0), g2.stride(0) if g2 is not None else 0, dy2.stride(0), dx.stride(0),
             dg.stride(0) if dg is not None else 0, n_tiles,
             GATED=g2 is not None, X_DT=_tl_dtype(x2.dtype), P_DT=_tl_dtype(pdt),
             ROWS=rows, BLOCK_D=block_d, WANT_DW=bool(want_dw), num_warps=warps)
-    elif want_dw:
-        dw_part.zero_()
-    dw = dw_part.sum(0).to(weight.dtype) if want_dw else None
+    if not want_dw:
+        return dx, dg, None
+    dw = dw_part.sum(0).to(weight.dtype) if n_rows else torch.zeros_like(weight)
     return dx, dg, dw
 
 

@@ -43,7 +43,7 @@ def _grads(out, final, leaves, do, dh):
     return {n: t.grad for n, t in leaves.items()}
 
 
-CASES = [("chunk", "torch"), ("chunk", "triton"), ("recurrent", "torch")]
+CASES = [("chunk", "torch"), ("chunk", "triton"), ("recurrent", "torch"), ("recurrent", "triton")]
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["dt_bias", "no_dt_bias"])
@@ -199,9 +199,11 @@ def test_q_and_k_must_share_a_dtype():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("name", ["chunk", "recurrent"])
+@pytest.mark.parametrize("name", ["chunk", "recurrent", "recurrent_train"])
 def test_gate_and_beta_in_kernel_bf16_gpu(name):
-    """bf16 at a Qwen3.5 layer's heads on the GPU, against the float64 oracle, with the 16-bit GDN bounds."""
+    """bf16 at a Qwen3.5 layer's heads on the GPU, against the float64 oracle, with the 16-bit GDN bounds; the
+    recurrent op for decoding (no gradients) and for training (its Triton candidate then runs the chunked
+    kernels)."""
     Bg, Tg, Hg, HVg, D = 2, 300, 4, 8, 128
     gen = torch.Generator().manual_seed(11)
     rnd = lambda *s, scale=1.0: torch.randn(*s, generator=gen, dtype=torch.float64) * scale  # noqa: E731
@@ -216,8 +218,8 @@ def test_gate_and_beta_in_kernel_bf16_gpu(name):
     ro, rf = _oracle(ref_leaves, True)
     ref = _grads(ro, rf, ref_leaves, do, dh)
     leaves = {n: (t.to("cuda", torch.bfloat16) if n in low else t.float().cuda()).requires_grad_() for n, t in x.items()}
-    with torch.set_grad_enabled(name == "chunk"):
-        o, final = OPS[name](leaves["q"], leaves["k"], leaves["v"], leaves["a"], leaves["b"],
+    with torch.set_grad_enabled(name != "recurrent"):
+        o, final = OPS[name.replace("_train", "")](leaves["q"], leaves["k"], leaves["v"], leaves["a"], leaves["b"],
                              initial_state=leaves["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
                              use_gate_in_kernel=True, A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
                              use_beta_sigmoid_in_kernel=True)

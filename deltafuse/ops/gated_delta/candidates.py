@@ -42,8 +42,7 @@ def _triton_chunk_supports(call: CallInfo) -> str | None:
 
 
 def _triton_recurrent_supports(call: CallInfo) -> str | None:
-    if call.needs_grad:
-        return "the recurrent Triton kernel has no backward (decoding only)"
+    # a call that needs gradients runs the chunked kernels (kernel_recurrent.recurrent_or_chunked): same rules
     return triton_supports(call) or _triton_head_size(call)
 
 
@@ -173,9 +172,10 @@ def register(registry: Registry) -> None:
                       note="deltafuse's chunked torch reference (any device)"),
         ],
         RECURRENT: [
-            Candidate("triton", load_attr(RECURRENT_KERNEL, "fused_recurrent_gated_delta_rule_triton"),
+            Candidate("triton", load_attr(RECURRENT_KERNEL, "recurrent_or_chunked"),
                       triton_available(RECURRENT_KERNEL), _triton_recurrent_supports, auto_skip=triton_auto_skip,
-                      note="deltafuse's recurrent Triton kernel (inference)"),
+                      note="deltafuse's recurrent Triton kernel; a call that needs gradients runs the chunked "
+                           "kernels (fwd+bwd)"),
             Candidate("fla", _load_fla("fused_recurrent_gated_delta_rule"), _fla_available, _fla_supports,
                       note="flash-linear-attention"),
             Candidate("npu", _load_fla("fused_recurrent_gated_delta_rule"), _fla_ascend_available, npu_supports,

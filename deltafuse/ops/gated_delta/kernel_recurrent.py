@@ -1,7 +1,9 @@
 """Token-by-token gated delta rule in Triton, for decoding (few tokens per call, state in and out).
 
-Inference only: there is no backward. Call it under ``torch.no_grad()`` (or with inputs that do not
-require grad); inputs that require grad raise a ``RuntimeError`` rather than silently cutting the graph.
+The kernel has no backward: called directly with inputs that require grad it raises a ``RuntimeError`` rather
+than silently cutting the graph. The op's Triton candidate is ``recurrent_or_chunked``: calls without gradients run
+this kernel, calls that need gradients run the chunked kernels (``kernel.py``, forward and backward), which
+evaluate the same recurrence in chunks of 64 tokens (equal up to rounding; both are held to the float64 oracle).
 
 One program owns one (sequence, value head, V block) and walks its tokens in order, keeping the state
 block [K, BV] in fp32 registers; the state is read once and written once per call:
@@ -39,6 +41,7 @@ import triton.language as tl
 
 from deltafuse.config import triton_interpreting
 from deltafuse.ops.gated_delta.gates import Gates
+from deltafuse.ops.gated_delta.kernel import chunk_gated_delta_rule_triton
 from deltafuse.ops.gated_delta.kernel_fwd import sigmoid, softplus
 
 
@@ -310,3 +313,27 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
 fused_recurrent_gated_delta_rule_triton.inplace_final_state = True
 # ... and ``gates=`` (FLA's in-kernel gate options, computed in the kernel) only to those that declare that
 fused_recurrent_gated_delta_rule_triton.gates_in_kernel = True
+
+
+def recurrent_or_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         scale: float, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                         use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None,
+                         inplace_final_state: bool = False, gates: Gates | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recurrent op's Triton candidate: this kernel for a call that autograd will not differentiate
+    (decoding), the chunked Triton kernels, forward and backward, for one it will (training through the recurrent
+    op, as FLA's ``fused_recurrent_gated_delta_rule`` allows). Same arguments and results as
+    ``fused_recurrent_gated_delta_rule_triton``; ``inplace_final_state`` applies to the first route only (the op
+    refuses it with gradients)."""
+    if torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad
+            for x in (q, k, v, g, beta, initial_state, *((gates.A_log, gates.dt_bias) if gates is not None else ()))):
+        return chunk_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                             use_qk_l2norm_in_kernel, cu_seqlens, gates=gates)
+    return fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                   use_qk_l2norm_in_kernel, cu_seqlens,
+                                                   inplace_final_state=inplace_final_state, gates=gates)
+
+
+recurrent_or_chunked.inplace_final_state = True
+recurrent_or_chunked.gates_in_kernel = True

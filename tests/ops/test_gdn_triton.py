@@ -155,6 +155,82 @@ def test_chunk_plan_tables(lengths):
     assert [t.data_ptr() % 16 for t in (plan.cu, plan.coff, plan.chunks)] == [0, 0, 0]
 
 
+@pytest.mark.parametrize("lengths", [[64], [65, 1, 128, 2, 63], [1] * 40, [0, 5, 0, 0, 70, 0], "random"])
+def test_device_plan_tables(lengths):
+    """The chunk tables built on the device from the offsets tensor alone (what a captured CUDA graph recomputes at
+    every replay): the real chunks' rows equal the host plan's, in order; the rows past them (room for the most
+    chunks N sequences of TT tokens can have) are empty at TT; empty sequences (equal offsets) have no chunk."""
+    if lengths == "random":
+        lengths = torch.randint(0, 150, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    TT = bounds[-1]
+    rows, first = [], []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        first.append(len(rows))
+        rows += [(s, c, b) for c in range(a, b, 64)]
+    plan = chunk_launch.DevicePlan(torch.tensor(bounds, dtype=torch.int32), TT)
+    N = len(lengths)
+    assert (plan.N, plan.NC) == (N, (TT + 63 * N) // 64) and plan.NC >= len(rows) and plan.padded
+    assert plan.cu.tolist() == bounds
+    assert plan.coff.tolist() == first + [len(rows)]
+    table = plan.chunks.view(-1, 3).tolist()
+    assert table[:len(rows)] == [list(r) for r in rows]
+    assert all(r[1] == r[2] == TT for r in table[len(rows):])
+    assert [t.data_ptr() % 16 for t in (plan.cu, plan.coff, plan.chunks)] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("cu", [[0, 70, 130, 130, 130], [0, 0, 1, 65, 65, 129, 130], [0, 130]],
+                         ids=["trailing_empty", "empty_inside", "one"])
+@pytest.mark.parametrize("gate", [False, True], ids=["g", "gate_in_kernel"])
+def test_chunk_device_plan_fp32(monkeypatch, cu, gate):
+    """The op with its chunk tables built on the device (forced here; on a GPU they are whenever the host holds no
+    copy of the offsets, and always while a CUDA graph is captured) against the float64 oracle: the output, the
+    final states (an empty sequence's is its initial state) and every gradient, forward and backward, with the
+    empty padding rows of the table and empty sequences among the real ones (a fixed-size offsets tensor)."""
+    from deltafuse.ops.gated_delta.gates import Gates
+
+    built = []
+    real = chunk_launch.DevicePlan
+
+    def spy(cu_t, TT):
+        built.append(TT)
+        return real(cu_t, TT)
+
+    monkeypatch.setattr(chunk_launch, "_plan_on_device", lambda cu_t: True)
+    monkeypatch.setattr(chunk_launch, "DevicePlan", spy)
+    T, H, HV, K, V = cu[-1], 1, 2, 16, 16
+    xs, cu_t = make_inputs(1, T, H, HV, K, V, dtype=torch.float32, h0=True, cu=cu)
+    extra = {}
+    if gate:  # FLA's raw gate in the kernel: the per-chunk parts of dA_log / d dt_bias over the padded rows too
+        extra = dict(A_log=torch.randn(HV, device=DEVICE) * 0.5, dt_bias=torch.randn(HV, device=DEVICE) * 0.5)
+        xs["g"] = torch.randn(1, T, HV, device=DEVICE) * 2
+    ours = {n: x.clone().requires_grad_() for n, x in {**xs, **extra}.items()}
+    ref = {n: x.detach().double().requires_grad_() for n, x in {**xs, **extra}.items()}
+    gates = Gates(ours["A_log"], ours["dt_bias"], True, False) if gate else None
+    o, ht = chunk_gated_delta_rule_triton(ours["q"], ours["k"], ours["v"], ours["g"], ours["beta"], K**-0.5,
+                                          ours["initial_state"], True, True, cu_t, gates=gates)
+    rg, rb = ref["g"], ref["beta"]
+    if gate:  # FLA's formula in float64
+        rg = -ref["A_log"].exp() * torch.nn.functional.softplus(rg + ref["dt_bias"])
+    ro, rht = naive_gated_delta_rule(ref["q"], ref["k"], ref["v"], rg, rb, K**-0.5, ref["initial_state"], True,
+                                     True, cu_t)
+    do, dht = torch.randn_like(ro), torch.randn_like(rht)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    assert built == [T]  # built once: the backward runs on the forward's tables (kept in the autograd context)
+    ((ro * do).sum() + (rht * dht).sum()).backward()
+    assert rel_rms(o, ro) <= FP32_TOL and rel_rms(ht, rht) <= FP32_TOL
+    for n in ours:
+        # dA_log and d dt_bias are sums over every token of terms that cancel: 10x the bound (measured 1.1e-5)
+        tol = FP32_TOL * (10 if n in ("A_log", "dt_bias") else 1)
+        assert torch.isfinite(ours[n].grad).all(), n
+        assert rel_rms(ours[n].grad, ref[n].grad) <= tol, (n, rel_rms(ours[n].grad, ref[n].grad))
+    empty = [i for i, (a, b) in enumerate(zip(cu, cu[1:])) if a == b]
+    for i in empty:
+        assert torch.equal(ht[i], xs["initial_state"][i])
+
+
 def test_chunk_empty_rows_pass_the_state_through():
     """B rows of T = 0 tokens: empty output, final state = initial state, gradient passed straight back."""
     xs, _ = make_inputs(2, 0, 1, 2, 16, 16, dtype=torch.float32, h0=True, seed=5)

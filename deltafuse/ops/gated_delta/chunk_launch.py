@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from deltafuse.config import triton_interpreting
-from deltafuse.ops._checks import host_offsets
+from deltafuse.ops._checks import host_offsets, known_host_offsets
 from deltafuse.ops.gated_delta.chunk_options import INV_MODES, PROD_MODES, ChunkOptions, StageHook
 from deltafuse.ops.gated_delta.gates import NONE, Gates
 from deltafuse.ops.gated_delta.kernel_bwd import _bwd_out, _bwd_reduce, _bwd_wy, _dv_local, _state_bwd
@@ -41,6 +41,8 @@ class Plan:
     thousands of short sequences gets a new plan every step) and copied to the device in one transfer.
     """
 
+    padded = False  # every chunk row is a real chunk (DevicePlan: rows past them are empty)
+
     def __init__(self, bounds: list[int], device: torch.device):
         b = torch.tensor(bounds, dtype=torch.int64)
         starts, ends = b[:-1], b[1:]
@@ -65,15 +67,66 @@ class Plan:
         self.chunks = table[2 * step:]
 
 
-def plan_for(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> Plan:
-    """Chunk tables, kept per sequence layout (they depend on lengths only, never on values)."""
+def plan_for(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device):
+    """Chunk tables, kept per sequence layout (they depend on lengths only, never on values); for packed
+    sequences whose offsets the host does not hold, or while a CUDA graph is being captured, built on the device
+    (``DevicePlan``: no read of the offsets, and nothing of this call's layout baked into a captured graph)."""
+    if cu_seqlens is not None and _plan_on_device(cu_seqlens):
+        return DevicePlan(cu_seqlens, B * T)
     bounds = tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
     return _plan(bounds if cu_seqlens is None else tuple(host_offsets(cu_seqlens)), str(device))
+
+
+def _plan_on_device(cu_seqlens: torch.Tensor) -> bool:
+    """Whether the chunk tables of these offsets are built on their device: always on an accelerator while a CUDA
+    graph is captured there (the host's tables would hold this call's layout in every replay), else when they are
+    on an accelerator and the host holds no copy of them (``remember_host_offsets``: reading them would wait for
+    the device). On the CPU reading them costs nothing."""
+    if cu_seqlens.device.type == "cpu":
+        return False
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
+    return known_host_offsets(cu_seqlens) is None
 
 
 @functools.lru_cache(maxsize=64)
 def _plan(bounds: tuple[int, ...], device: str) -> Plan:
     return Plan(list(bounds), torch.device(device))
+
+
+class DevicePlan:
+    """``Plan``'s tables built on the offsets' device with tensor operations of fixed sizes, from nothing but the
+    offsets tensor and the token count: no value is read on the host, so a captured CUDA graph recomputes them
+    from the offsets it is replayed with.
+
+    The number of chunks depends on the lengths, so the chunk table has room for the most chunks N sequences of
+    TT tokens can have, (TT + 63 N) // 64, and its rows past the real chunks are empty (start = end = TT): every
+    chunk kernel returns at once for such a row, and the chunk-indexed buffers (chunk-start states) get rows
+    nothing reads. Empty sequences (equal offsets: the padding of a fixed-size offsets tensor) have no chunk;
+    their final state is their initial state."""
+
+    padded = True
+
+    def __init__(self, cu_seqlens: torch.Tensor, TT: int):
+        dev = cu_seqlens.device
+        cu = cu_seqlens.to(torch.int64)
+        self.N = N = cu.numel() - 1
+        self.NC = NC = (TT + (BT - 1) * N) // BT
+        counts = (cu[1:] - cu[:-1] + BT - 1) // BT
+        coff = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+        chunk = torch.arange(NC, device=dev)
+        seq = torch.searchsorted(coff[1:], chunk, right=True)  # the sequence of every chunk; N past the last one
+        real = seq < N
+        seq = seq.clamp_max(N - 1)
+        start = torch.where(real, cu[seq] + (chunk - coff[seq]) * BT, TT)
+        end = torch.where(real, cu[seq + 1], TT)
+        rows = torch.stack([seq, start, end], 1) if NC else cu.new_full((1, 3), TT)
+        pad = cu.new_zeros(-(N + 1) % _ALIGN)
+        table = torch.cat([cu, pad, coff, pad, rows.reshape(-1)]).to(torch.int32)
+        step = N + 1 + pad.numel()
+        self.cu = table[:N + 1]
+        self.coff = table[step:step + N + 1]
+        self.chunks = table[2 * step:]
 
 
 class PassConfig:
@@ -313,8 +366,10 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     dg = torch.empty(g.shape, device=dev, dtype=g.dtype)
     db = torch.empty(beta.shape, device=dev, dtype=beta.dtype)
     # this chunk's parts of dA_log and d dt_bias ([NC, HV], written by _bwd_out when the gate is in the kernel)
-    pa = torch.empty(max(plan.NC, 1), HV, device=dev, dtype=torch.float32) if gates.gate else gc
-    pd = torch.empty(max(plan.NC, 1), HV, device=dev, dtype=torch.float32) if gates.gate else gc
+    # (zeroed for a device-built plan: its empty chunk rows write no part)
+    parts = torch.zeros if plan.padded else torch.empty
+    pa = parts(max(plan.NC, 1), HV, device=dev, dtype=torch.float32) if gates.gate else gc
+    pd = parts(max(plan.NC, 1), HV, device=dev, dtype=torch.float32) if gates.gate else gc
     if not plan.NC:
         dq, dk = torch.zeros_like(q), torch.zeros_like(k)
         for t in (dv, dg, db):

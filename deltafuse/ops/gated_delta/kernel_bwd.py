@@ -73,6 +73,8 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
     hv = tl.program_id(1)
     h = hv // (HV // H)
     start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
+    if start >= end:  # an empty row of a device-built chunk table (chunk_launch.DevicePlan)
+        return
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
     q = tl.load(q_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
@@ -132,6 +134,8 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     pid_c = pid // HV
     h = hv // (HV // H)
     start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
+    if start >= end:  # an empty row of a device-built chunk table (chunk_launch.DevicePlan)
+        return
     rows = tl.arange(0, 64)
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
@@ -213,6 +217,8 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
     G: tl.constexpr = HV // H
     h = hv // G
     start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
+    if start >= end:  # an empty row of a device-built chunk table (chunk_launch.DevicePlan)
+        return
     rows = tl.arange(0, 64)
     last_row = tl.minimum(end - start, 64) - 1
     ck = tl.arange(0, BK)

@@ -311,6 +311,8 @@ def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv
     hv = tl.program_id(1)
     h = hv // (HV // H)
     start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
+    if start >= end:  # an empty row of a device-built chunk table (chunk_launch.DevicePlan)
+        return
     rows = tl.arange(0, 64)
     ck = tl.arange(0, BK)
     if GATE:

@@ -32,6 +32,8 @@ def _out_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks
     c = pid_ch // HV
     h = hv // (HV // H)
     start, end, tok, valid = chunk_tokens(chunks_ptr, c)
+    if start >= end:  # an empty row of a device-built chunk table (chunk_launch.DevicePlan)
+        return
     cv = pid_v * BV + tl.arange(0, BV)
     h_base = hs_ptr + (c.to(tl.int64) * HV + hv) * (K * V)
     acc = tl.zeros([64, BV], dtype=tl.float32)

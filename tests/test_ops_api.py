@@ -50,6 +50,7 @@ def test_gdn_bad_arguments(op, mutate, match):
     (torch.tensor([1, 4, 10]), 1, r"cu_seqlens must start at 0, got 1"),
     (torch.tensor([0, 6, 4, 10]), 1, r"cu_seqlens must be strictly increasing"),
     (torch.tensor([0, 4, 4, 10]), 1, r"cu_seqlens must be strictly increasing"),
+    (torch.tensor([0, 10, 10, 4]), 1, r"cu_seqlens must be strictly increasing"),
     (torch.tensor([0, 4, 9]), 1, r"cu_seqlens must end at T=10 \(the packed length\), got 9"),
     (torch.tensor([0.0, 10.0]), 1, r"cu_seqlens must be a 1-D integer tensor"),
     (torch.tensor([[0, 10]]), 1, r"cu_seqlens must be a 1-D integer tensor"),
@@ -59,6 +60,35 @@ def test_gdn_bad_cu_seqlens(cu, B, match):
     q, k, v, g, beta = gdn_inputs(B=B)
     with pytest.raises(ValueError, match=match):
         ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gdn_empty_sequences_at_the_end(backend):
+    """Offsets that repeat T after the last sequence (a fixed-size offsets tensor with room to spare) are empty
+    sequences: the real ones' outputs, every final state (an empty sequence's is its initial state) and every
+    gradient equal the float64 oracle's."""
+    from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule
+    from tests.helpers import INTERPRETED, rel_rms
+
+    if backend == "triton" and not (INTERPRETED or torch.cuda.is_available()):
+        pytest.skip("Triton needs CUDA or the interpreter")
+    dev = "cuda" if backend == "triton" and not INTERPRETED else "cpu"
+    q, k, v, g, beta = (t.to(dev) for t in gdn_inputs())
+    cu = torch.tensor([0, 3, 10, 10, 10], device=dev)
+    h0 = torch.randn(4, v.shape[2], q.shape[3], v.shape[3], device=dev)
+    xs = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    o, ht = ops.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu, backend=backend)
+    ro, rht = naive_gated_delta_rule(*ref[:5], None, ref[5], True, True, cu)
+    tol = 1e-5 if dev == "cpu" else 1e-4  # the GPU's fp32 products are three-pass tf32
+    assert rel_rms(o, ro) < tol and rel_rms(ht, rht) < tol
+    assert torch.equal(ht[2:], h0[2:])
+    do, dht = torch.randn_like(ro), torch.randn_like(rht)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ((ro * do).sum() + (rht * dht).sum()).backward()
+    for mine, theirs in zip(xs, ref):
+        assert rel_rms(mine.grad, theirs.grad) < tol
 
 
 def test_gdn_initial_state_count_follows_cu_seqlens():

@@ -227,7 +227,9 @@ def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
 
 
 def cu_seqlens(cu: torch.Tensor, batch: int, total: int) -> int:
-    """Validate cu_seqlens for a [1, total, ...] packed batch; returns the number of sequences."""
+    """Validate cu_seqlens for a [1, total, ...] packed batch; returns the number of sequences (empty ones at the
+    end included: offsets strictly increasing up to T, then T repeated, which is how a fixed-size offsets tensor
+    holds fewer sequences than it has room for; each empty sequence's final state is its initial state)."""
     if not isinstance(cu, torch.Tensor):
         raise ArgumentTypeError(f"cu_seqlens must be a 1-D integer torch.Tensor, got {type(cu).__name__} "
                                 f"({short_repr(cu)})")
@@ -241,8 +243,9 @@ def cu_seqlens(cu: torch.Tensor, batch: int, total: int) -> int:
         vals = list(host_offsets(cu))
         if vals[0] != 0:
             fail(f"cu_seqlens must start at 0, got {vals[0]}")
-        if any(b <= a for a, b in zip(vals, vals[1:])):
-            fail(f"cu_seqlens must be strictly increasing, got {vals if len(vals) <= 16 else vals[:16] + ['...']}")
+        if any((b <= a) if a != total else (b != total) for a, b in zip(vals, vals[1:])):
+            fail(f"cu_seqlens must be strictly increasing (after T only T again: empty sequences at the end), got "
+                 f"{vals if len(vals) <= 16 else vals[:16] + ['...']}")
         if vals[-1] != total:
             fail(f"cu_seqlens must end at T={total} (the packed length), got {vals[-1]}")
     return cu.numel() - 1

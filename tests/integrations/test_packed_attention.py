@@ -3,6 +3,9 @@ attention, and used only when transformers' mask is exactly block-causal."""
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -234,10 +237,12 @@ def test_route_selection(monkeypatch):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("impl", ["varlen", "loop"])
+@pytest.mark.parametrize("impl", ["varlen", "loop", "varlen-padded"])
 def test_gpu_bf16_routes_equal_float64_dense(impl):
     """Qwen3.5-35B-A3B's attention heads (16 query, 2 key/value, size 256), 4,096 tokens in sequences of
-    1 to 700 tokens, bf16, forward and backward against the dense block-causal reference in float64."""
+    1 to 700 tokens, bf16, forward and backward against the dense block-causal reference in float64;
+    ``varlen-padded``: the offsets only on the device, 7 empty sequences after the real ones and the row's length
+    as the longest (a captured CUDA graph's form)."""
     g = torch.Generator().manual_seed(31)
     lengths = [1, 700, 64, 333, 2, 1000, 129, 517, 1350]
     offsets = [0]
@@ -246,11 +251,15 @@ def test_gpu_bf16_routes_equal_float64_dense(impl):
     T = offsets[-1]
     leaves = [torch.randn(1, h, T, 256, generator=g).cuda() for h in (16, 2, 2)]
     dy = torch.randn(1, T, 16, 256, generator=g).cuda()
-    fn = packed_ops.causal_attention_varlen if impl == "varlen" else packed_ops.causal_attention_by_sequence
-    if impl == "varlen" and packed_ops.varlen_api() is None:
+    fn = packed_ops.causal_attention_by_sequence if impl == "loop" else packed_ops.causal_attention_varlen
+    if impl != "loop" and packed_ops.varlen_api() is None:
         pytest.skip("this torch has no varlen_attn")
     low = [t.to(torch.bfloat16).requires_grad_() for t in leaves]
-    out = fn(*low, offsets, cu_seqlens=torch.tensor(offsets, device="cuda", dtype=torch.int32))
+    if impl == "varlen-padded":
+        cu = torch.tensor(offsets + [T] * 7, device="cuda", dtype=torch.int32)
+        out = fn(*low, None, cu_seqlens=cu, longest=T)
+    else:
+        out = fn(*low, offsets, cu_seqlens=torch.tensor(offsets, device="cuda", dtype=torch.int32))
     got = [out] + list(torch.autograd.grad((out.float() * dy).sum(), low))
     ref_leaves = [t.double().requires_grad_() for t in leaves]
     want = _dense_block_causal(*ref_leaves, offsets, None)
@@ -259,3 +268,51 @@ def test_gpu_bf16_routes_equal_float64_dense(impl):
         err = float((a.double() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
         assert err < 1e-2, f"{impl} {name}: relative RMS error {err:.2e}"
 
+
+
+def test_padded_offsets_go_to_varlen_alone():
+    """Offsets known only on the device (a captured graph's padded form): the per-sequence loop cannot serve them
+    and says so in one line, as does varlen_attn for an fp32 query (flash attention)."""
+    q = torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match=r"needs the sequence offsets on the host \(got offsets=None"):
+        packed_ops.causal_attention_by_sequence(q, q, q, None, cu_seqlens=torch.tensor([0, 3, 6, 6]), longest=6)
+    if packed_ops.varlen_api() is not None:
+        with pytest.raises(ValueError, match=r"a padded offsets tensor needs fp16/bf16 queries"):
+            packed_ops.causal_attention_varlen(q, q, q, None, cu_seqlens=torch.tensor([0, 3, 6, 6]), longest=6)
+
+
+def test_padded_packing_form():
+    from deltafuse.integrations.transformers.boundaries import PackingError, packing_from_position_ids
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    packing = packing_from_position_ids(pos, 1, 9)
+    padded = packing.padded_to(5)
+    assert padded.padded and padded.offsets is None and padded.num_sequences == 5
+    assert padded.cu_seqlens.tolist() == [0, 3, 5, 9, 9, 9] and padded.cu_seqlens.dtype == torch.int32
+    assert padded.seq_idx is packing.seq_idx and not padded.rows_are_sequences
+    assert packing.padded_to(3).cu_seqlens.tolist() == [0, 3, 5, 9]
+    with pytest.raises(PackingError, match=r"padded_to\(capacity=2\): the batch holds 3 sequences; allowed: an int "
+                                           r">= 3"):
+        packing.padded_to(2)
+    with pytest.raises(PackingError, match="not padded already"):
+        padded.padded_to(8)
+
+
+def test_attention_of_padded_rows_without_mask_is_refused():
+    """A padded packed batch whose mask was left out (varlen_attn was to serve it) reaching transformers' function
+    raises instead of attending across the sequences of the row."""
+    from deltafuse.integrations.transformers.adapters_fused import wrap_sdpa_attention
+    from deltafuse.integrations.transformers.boundaries import PackingError, packing_from_position_ids
+    from deltafuse.integrations.transformers.packing import PACKING_KWARG
+
+    stock = []
+    wrapped = wrap_sdpa_attention(lambda *a, **kw: (stock.append(1), (a[1], None))[1])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    padded = dataclasses.replace(packing_from_position_ids(pos, 1, 6), block_causal=True).padded_to(4)
+    q = torch.randn(1, 2, 6, 8)
+    module = types.SimpleNamespace(is_causal=True)
+    with pytest.raises(PackingError, match=r"attention of a padded packed batch \[1, 6\] got no mask"):
+        wrapped(module, q, q, q, None, **{PACKING_KWARG: padded})
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    wrapped(module, q, q, q, mask, **{PACKING_KWARG: padded})  # with the mask: transformers' function, correct
+    assert stock == [1]

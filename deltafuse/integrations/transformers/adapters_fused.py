@@ -27,6 +27,7 @@ import functools
 import torch
 
 from deltafuse import ops
+from deltafuse.integrations.transformers.boundaries import PackingError
 from deltafuse.integrations.transformers.call_args import mark_wrapper
 from deltafuse.integrations.transformers.packing import PACKING_KWARG
 
@@ -179,15 +180,31 @@ def _routable_attention(module, is_causal, kwargs) -> bool:
 PACKED_ATTENTION_MIN_TOKENS = 2048
 
 
-def _packed_offsets(query, key, kwargs):
-    """The sequence offsets (host ints) when this call may be computed sequence by sequence, else None (also
-    inside a compiled graph, where they are not known on the host: transformers' block-causal mask then)."""
+def _packed_route(query, key, kwargs):
+    """(offsets, cu_seqlens, longest) when this call may be computed sequence by sequence, else None: inside a
+    compiled graph the offsets are not known on the host (transformers' block-causal mask then); a ``padded``
+    Packing (a captured CUDA graph's: its offsets tensor has a fixed size) goes to ``varlen_attn`` with no host
+    offsets and the row's length as the longest sequence (``padded_rows_use_varlen`` says when)."""
     packing = kwargs.get(PACKING_KWARG)
     B, _, T, _ = query.shape
-    if (packing is None or packing.offsets is None or not packing.block_causal or T < PACKED_ATTENTION_MIN_TOKENS
-            or key.shape[2] != T or (packing.batch, packing.length) != (B, T)):
+    if (packing is None or not packing.block_causal or T < PACKED_ATTENTION_MIN_TOKENS or key.shape[2] != T
+            or (packing.batch, packing.length) != (B, T)):
         return None
-    return packing.offsets
+    if packing.padded:
+        return None, packing.cu_seqlens, T
+    if packing.offsets is None:
+        return None
+    return packing.offsets, packing.cu_seqlens, None
+
+
+def padded_rows_use_varlen(packing, device: torch.device) -> bool:
+    """Whether the full-attention layers of a ``padded`` Packing's batch run ``varlen_attn`` on ``device`` (and so
+    never read transformers' block-causal mask): block-causal rows of ``PACKED_ATTENTION_MIN_TOKENS`` or more on a
+    GPU that runs it. A call that then cannot (an fp32 query, dropout, a head size over 256) raises instead."""
+    from deltafuse.ops.attention.packed import varlen_runs_on
+
+    return (packing is not None and packing.padded and packing.block_causal
+            and packing.length >= PACKED_ATTENTION_MIN_TOKENS and varlen_runs_on(device))
 
 
 def wrap_sdpa_attention(original):
@@ -206,13 +223,21 @@ def wrap_sdpa_attention(original):
                 if impl is not None:
                     return impl(query, key, value, attention_mask, dropout, scaling, True), None
             else:
-                offsets = _packed_offsets(query, key, kwargs)
-                if offsets is not None:
+                route = _packed_route(query, key, kwargs)
+                if route is not None:
                     from deltafuse.ops.attention import packed_attention
 
+                    offsets, cu_seqlens, longest = route  # offsets None: a padded Packing (varlen_attn only)
                     impl = packed_attention(query, key, value)
-                    return impl(query, key, value, offsets, scaling, dropout,
-                                cu_seqlens=kwargs[PACKING_KWARG].cu_seqlens), None
+                    return impl(query, key, value, offsets, scaling, dropout, cu_seqlens=cu_seqlens,
+                                longest=longest), None
+        packing = kwargs.get(PACKING_KWARG)
+        if attention_mask is None and packing is not None and packing.padded and packing.block_causal:
+            # a captured graph's padded rows whose mask was left out (padded_rows_use_varlen): transformers' function
+            # without a mask would attend across the sequences of a row
+            raise PackingError(f"attention of a padded packed batch [{packing.batch}, {packing.length}] got no mask "
+                               "and cannot run varlen_attn here; allowed: the block-causal mask, or a call "
+                               "varlen_attn serves (fp16/bf16, no dropout, head size <= 256)")
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, **kwargs)
 

@@ -61,6 +61,9 @@ class Packing:
         be computed sequence by sequence.
     context: under context parallelism, this rank's ``Shard`` (``context_parallel.py``): the batch is one
         contiguous shard of every row, and a row's first sequence may continue the previous rank's last one.
+    padded: ``cu_seqlens`` has a fixed number of entries, the real sequences' offsets followed by empty
+        sequences at B*T, and ``offsets`` is None: the form a captured CUDA graph is handed (``padded_to``), whose
+        shapes must not follow the number of sequences. Its ``num_sequences`` counts the empty ones too.
     """
 
     seq_idx: torch.Tensor
@@ -70,6 +73,7 @@ class Packing:
     offsets: tuple[int, ...] | None = ()
     block_causal: bool = False
     context: object = dataclasses.field(default=None, compare=False, repr=False)
+    padded: bool = False
 
     def __post_init__(self):
         if self.offsets is not None and len(self.offsets) != self.cu_seqlens.numel():
@@ -107,6 +111,24 @@ class Packing:
             return (flat - first).view(self.batch, self.length)
         starts = self.cu_seqlens.to(device=flat.device, dtype=torch.int64)[:-1]
         return (flat - starts[self.seq_idx.reshape(-1)]).view(self.batch, self.length)
+
+    def padded_to(self, capacity: int) -> "Packing":
+        """This Packing in the ``padded`` form: its offsets as a device tensor of ``capacity`` + 1 entries (the
+        real ones, then B*T for every empty sequence), no host copy. Needs the offsets on the host and at most
+        ``capacity`` sequences."""
+        n = self.num_sequences
+        if self.offsets is None or self.context is not None or self.padded:
+            raise PackingError("padded_to: only a Packing whose offsets the host holds, outside context "
+                               "parallelism and not padded already, can be padded")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < n:
+            raise PackingError(f"padded_to(capacity={capacity!r}): the batch holds {n} sequences; allowed: an int "
+                               f">= {n}")
+        total = self.batch * self.length
+        host = torch.tensor(self.offsets + (total,) * (capacity - n), dtype=torch.int32)
+        if self.seq_idx.is_cuda:
+            host = host.pin_memory()
+        cu = host.to(self.seq_idx.device, non_blocking=True)
+        return dataclasses.replace(self, cu_seqlens=cu, offsets=None, padded=True)
 
     def check(self, batch: int, length: int | None, where: str) -> None:
         """Raise unless this Packing describes a [batch, length] batch (``length`` None: any length)."""

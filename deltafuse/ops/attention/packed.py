@@ -24,10 +24,15 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_attention_by_sequence(query, key, value, offsets, scaling=None, dropout=0.0, cu_seqlens=None):
+def causal_attention_by_sequence(query, key, value, offsets, scaling=None, dropout=0.0, cu_seqlens=None,
+                                 longest=None):
     """query [B, Hq, T, D], key/value [B, Hk, T, D]; ``offsets``: the sequence starts on the flat B*T axis as
-    Python ints (0, ..., B*T; every row start is a sequence start); ``cu_seqlens`` (the same on the device) is
-    not needed here. Returns [B, T, Hq, D] (contiguous), what transformers' attention functions return."""
+    Python ints (0, ..., B*T; every row start is a sequence start); ``cu_seqlens`` (the same on the device) and
+    ``longest`` are not needed here. Returns [B, T, Hq, D] (contiguous), what transformers' attention functions
+    return."""
+    if offsets is None:
+        raise ValueError("causal_attention_by_sequence needs the sequence offsets on the host (got offsets=None: a "
+                         "padded offsets tensor, which only varlen_attn serves)")
     B, Hq, T, _ = query.shape
     Hk = key.shape[1]
     if Hq % Hk:
@@ -80,6 +85,17 @@ def varlen_api():
     return varlen_attn, causal, "scale" in params, "enable_gqa" in params
 
 
+def varlen_runs_on(device: torch.device) -> bool:
+    """Whether ``varlen_attn`` runs on ``device``: this torch has it, and the device is a CUDA GPU of compute
+    capability 8.0 or newer (flash attention)."""
+    if varlen_api() is None or device.type != "cuda":
+        return False
+    from deltafuse.backends import probes
+
+    cap = probes.cuda_capability(device.index)
+    return cap is None or tuple(cap) >= (8, 0)
+
+
 # flash attention's limit on the head size
 VARLEN_MAX_HEAD_DIM = 256
 
@@ -101,24 +117,35 @@ def varlen_causal_call(api, scaling, query_heads: int, k: torch.Tensor, v: torch
     return kwargs, k, v
 
 
-def causal_attention_varlen(query, key, value, offsets, scaling=None, dropout=0.0, cu_seqlens=None):
+def causal_attention_varlen(query, key, value, offsets, scaling=None, dropout=0.0, cu_seqlens=None, longest=None):
     """Same contract as ``causal_attention_by_sequence``, through torch's ``varlen_attn``. ``cu_seqlens``:
     the offsets as a device tensor (else built from ``offsets``). Calls it cannot serve (dropout, a head size
-    above 256, a non-default scale on a torch without ``scale=``) go to the per-sequence loop."""
+    above 256, a non-default scale on a torch without ``scale=``) go to the per-sequence loop.
+
+    ``offsets`` None: the offsets are known only on the device (``cu_seqlens``, possibly ending in empty sequences:
+    a captured CUDA graph's fixed-size tensor, whose sequences start every row) and ``longest`` bounds the
+    sequence length; nothing is read on the host, and a call this function cannot serve raises."""
     api = varlen_api()
     B, Hq, T, D = query.shape
     Hk = key.shape[1]
     default_scale = scaling is None or scaling == D ** -0.5
     if api is None or dropout or D > VARLEN_MAX_HEAD_DIM or (not api[2] and not default_scale) or Hq % Hk:
         return causal_attention_by_sequence(query, key, value, offsets, scaling, dropout)
-    starts = set(offsets)
-    missing = [b * T for b in range(1, B) if b * T not in starts]
-    if missing:
-        raise ValueError(f"row starts {missing[:4]} are not sequence starts (T={T}): rows must start sequences")
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=query.device)
+    if offsets is None:
+        if cu_seqlens is None or longest is None:
+            raise ValueError("causal_attention_varlen(offsets=None) needs cu_seqlens and longest")
+        if query.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"causal_attention_varlen: a padded offsets tensor needs fp16/bf16 queries (flash "
+                             f"attention), got {query.dtype}")
+    else:
+        starts = set(offsets)
+        missing = [b * T for b in range(1, B) if b * T not in starts]
+        if missing:
+            raise ValueError(f"row starts {missing[:4]} are not sequence starts (T={T}): rows must start sequences")
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=query.device)
+        longest = max((e - s for s, e in zip(offsets[:-1], offsets[1:])), default=0)
     cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
-    longest = max((e - s for s, e in zip(offsets[:-1], offsets[1:])), default=0)
     q = query.transpose(1, 2).reshape(B * T, Hq, D)
     k = key.transpose(1, 2).reshape(B * T, Hk, D)
     v = value.transpose(1, 2).reshape(B * T, Hk, D)

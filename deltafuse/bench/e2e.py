@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "interval time and tokens/s as median [min-max]. On CUDA it gives the speedup (median of "
                           "the OFF/ON pairs); on a CPU the timings are noise and the loss comparison is the check. "
                           "Writes e2e.md, e2e.json and e2e.png to --output-dir. Every `deltafuse train` flag "
-                          "applies to every run.")
+                          "applies to every run, but --cuda-graphs to the deltafuse run alone.")
     parser.set_defaults(max_steps=DEFAULT_MAX_STEPS, output_dir="runs/bench-e2e")
     for action in parser._actions:  # the same flags as `deltafuse train`, with the benchmark's defaults
         if action.dest == "max_steps":

@@ -77,8 +77,10 @@ def child_command(args, run: str, run_dir: str, threads: str | None = None) -> t
     """The command and environment of one run: ``on`` is `deltafuse train`; off and the peers start through
     ``deltafuse.bench.peers`` (FLA kept out unless the run names it, peers set up and counted). ``threads``
     sets OMP_NUM_THREADS (see ``child_threads``)."""
-    train_args = [*forward_train_args(args), "--output-dir", run_dir, "--overwrite",
-                  "--deltafuse" if run == "on" else "--no-deltafuse"]
+    forwarded = forward_train_args(args)
+    if run != "on":  # CUDA graphs of the layers need deltafuse's ops (stock and the peers read values on the host)
+        forwarded = [a for a in forwarded if a != "--cuda-graphs"]
+    train_args = [*forwarded, "--output-dir", run_dir, "--overwrite", "--deltafuse" if run == "on" else "--no-deltafuse"]
     if args.progress is not None:
         train_args.append("--progress" if args.progress else "--no-progress")
     if run == "on":

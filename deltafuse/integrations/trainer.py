@@ -23,6 +23,12 @@ When things happen:
   ``callback.revert()`` does it by hand, e.g. after an exception ended training (the Trainer calls no
   callback then). ``DeltafuseCallback(quiet=True)`` prints nothing (the logger still gets both).
 
+``DeltafuseCallback(cuda_graphs=True)``: every decoder layer's forward and backward replay from CUDA graphs, captured
+after two eager training steps (``deltafuse.integrations.transformers.graphed_layers``; a packed row of more
+sequences than the capture allows, or any other call a graph cannot take, runs eagerly); set-ups where that is
+unsafe (gradient checkpointing, FSDP, a model not on CUDA, router logits for an auxiliary loss) are refused in one
+line when the trainer is built or, for what only the model shows, when training begins.
+
 Evaluation and generation inside ``train()`` (eval steps, GRPO's sampling) run patched; a
 ``trainer.evaluate()`` outside ``train()`` runs stock transformers.
 
@@ -58,11 +64,15 @@ class DeltafuseCallback(TrainerCallback):
     ``gdn``, ``fused_ops``, ``moe`` and ``backend`` are those of ``deltafuse.apply`` (None / "auto": the
     environment decides). ``revert_at_end=False`` leaves deltafuse applied after ``train()`` (call
     ``revert()`` yourself). ``quiet=True``: the main process prints nothing when training begins and ends.
+    ``cuda_graphs=True``: the decoder layers replay from CUDA graphs (module docstring); ``max_sequences``: the
+    most sequences of a packed row that replays (default: from the warm-up batches); ``callback.graphs`` is their
+    controller while applied.
     """
 
     def __init__(self, *, gdn: bool | None = None, fused_ops: bool | None = None, moe: bool | None = None,
-                 backend: str = "auto", revert_at_end: bool = True, quiet: bool = False):
-        for name, value in (("revert_at_end", revert_at_end), ("quiet", quiet)):
+                 backend: str = "auto", revert_at_end: bool = True, quiet: bool = False, cuda_graphs: bool = False,
+                 max_sequences: int | None = None):
+        for name, value in (("revert_at_end", revert_at_end), ("quiet", quiet), ("cuda_graphs", cuda_graphs)):
             if not isinstance(value, bool):
                 raise ValueError(f"DeltafuseCallback({name}={value!r}); allowed: True or False")
         self.quiet = quiet
@@ -71,6 +81,13 @@ class DeltafuseCallback(TrainerCallback):
                 backend=None if backend == "auto" else backend)
         self._kwargs = dict(gdn=gdn, fused_ops=fused_ops, moe=moe, backend=backend)
         self.revert_at_end = revert_at_end
+        if max_sequences is not None and (isinstance(max_sequences, bool) or not isinstance(max_sequences, int)
+                                          or max_sequences < 1 or not cuda_graphs):
+            raise ValueError(f"DeltafuseCallback(max_sequences={max_sequences!r}); allowed: None, or an int >= 1 "
+                             "with cuda_graphs=True")
+        self.cuda_graphs = cuda_graphs
+        self.max_sequences = max_sequences
+        self.graphs = None  # graphed_layers.GraphedLayers while applied with cuda_graphs=True
         self.report: PatchReport | None = None
         self._stack: contextlib.ExitStack | None = None
 
@@ -82,6 +99,8 @@ class DeltafuseCallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is not None:
             find_model(model)  # UnsupportedModelError names every wrapper walked
+        if self.cuda_graphs:
+            _check_graph_args(args)
         gpus = getattr(args, "n_gpu", 0)
         if gpus > 1:
             # one process that sees several GPUs: the Trainer would replicate the model with
@@ -96,12 +115,32 @@ class DeltafuseCallback(TrainerCallback):
             raise ValueError("DeltafuseCallback.on_train_begin got model=None; the callback needs the trainer's "
                              "model (pass it to the Trainer via callbacks=[...], not to a bare CallbackHandler)")
         stack = self._stack if self._stack is not None else contextlib.ExitStack()
+        if self.cuda_graphs and self.graphs is None:
+            from deltafuse.integrations.transformers.graphed_layers import check_model, decoder_layers, graph_layers
+
+            _check_graph_args(args)
+            check_model(model, decoder_layers(model))  # refused before anything is patched
         self.report = stack.enter_context(patched(model, **self._kwargs))
         self._stack = stack
+        if self.cuda_graphs and self.graphs is None:
+            try:
+                self.graphs = graph_layers(model, warmup=2, max_sequences=self.max_sequences)
+            except BaseException:
+                self.revert()
+                raise
+            stack.callback(self._drop_graphs)
         logger.info("deltafuse applied for training:\n%s", self.report.details())
         self._say(state, str(self.report))
 
+    def _drop_graphs(self) -> None:
+        graphs, self.graphs = self.graphs, None
+        if graphs is not None:
+            logger.info("deltafuse: %s", graphs.summary())
+            graphs.remove()
+
     def on_train_end(self, args, state, control, **kwargs):
+        if self.graphs is not None:
+            self._say(state, f"deltafuse: {self.graphs.summary()}")
         if not self.revert_at_end:
             if self.active:
                 self._say(state, "deltafuse: training ended; still applied (revert_at_end=False): call "
@@ -131,3 +170,16 @@ class DeltafuseCallback(TrainerCallback):
         """Print ``line`` on the job's main process (every process logs it at INFO)."""
         if not self.quiet and getattr(state, "is_world_process_zero", True):
             print(line, flush=True)
+
+
+def _check_graph_args(args) -> None:
+    """TrainingArguments under which graphed layers are unsafe: refused in one line (``GraphError``)."""
+    from deltafuse.integrations.transformers.graphed_layers import GraphError
+
+    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
+        raise GraphError("DeltafuseCallback(cuda_graphs=True): gradient checkpointing is on in the training "
+                         "arguments; its recompute replays forwards during the backward, out of the order the graphs "
+                         "share memory in; allowed: one of the two")
+    if getattr(args, "fsdp", None):
+        raise GraphError(f"DeltafuseCallback(cuda_graphs=True): fsdp={args.fsdp!r}; FSDP gathers each layer's "
+                         "weights in hooks a replay would skip; allowed: no FSDP")

@@ -90,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="weights and autocast dtype (default auto: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="replay every decoder layer's forward and backward from CUDA graphs, captured after 2 "
+                        "eager steps (CUDA, deltafuse on; not with --gradient-checkpointing, --context-parallel or "
+                        "FSDP); a call of another shape runs eagerly")
     g.add_argument("--compile-ahead", metavar="auto|off|N", type=_ahead_workers, default="auto",
                    help="before the first step, compile its Triton kernels in N threads instead of one by one as it "
                         "runs (default auto: one per CPU with deltafuse on a CUDA device in one process, else off)")

@@ -170,6 +170,13 @@ class PaddedCollator:
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def max_sequences_per_row(dataset: ListDataset, batch_size: int) -> int:
+    """The most sequences a row of ``PackedCollator`` can hold for this dataset of bins: ``batch_size`` of its
+    fullest bins, and the filler sequence."""
+    counts = sorted((len(b) for b in dataset.items), reverse=True)
+    return sum(counts[:batch_size]) + 1
+
+
 def build_dataset(examples: list[dict], seq_len: int, packing: bool, pad_token_id: int):
     """(dataset, collator) for the Trainer.
 

@@ -190,6 +190,7 @@ class _Run:
     targets: list | None = None
     trainable: int = 0
     total: int = 0
+    graphs: Any = None  # graphed_layers.GraphedLayers with --cuda-graphs
     lr: float = 0.0
     trainer: Any = None
     logger: Any = None  # progress.StepLogger
@@ -254,6 +255,28 @@ def _check(run: _Run) -> None:
         _ = run.targs.device  # torch.distributed is initialised here (accelerate), then the groups are made
         run.layout = cp.Layout(args.context_parallel)
     run.progress = trainargs.show_progress(args)
+    _check_cuda_graphs(args, run)
+
+
+def _check_cuda_graphs(args, run: _Run) -> None:
+    """--cuda-graphs where the captured layers would be unsafe or serve nothing: refused now, in one line."""
+    if not getattr(args, "cuda_graphs", False):
+        return
+    why = None
+    if not run.device.startswith("cuda"):
+        why = f"the device is {run.device}; allowed: a CUDA device"
+    elif not run.enabled:
+        why = ("deltafuse is off (--no-deltafuse or DELTAFUSE_PATCH=0); stock transformers' layers read values on "
+               "the host (the experts' routing, packed boundaries), which a graph cannot; allowed: deltafuse on")
+    elif args.gradient_checkpointing:
+        why = ("--gradient-checkpointing recomputes forwards during the backward, out of the order the graphs share "
+               "memory in; allowed: one of the two")
+    elif getattr(args, "context_parallel", 1) > 1:
+        why = f"--context-parallel {args.context_parallel}; allowed: 1 (the relay between ranks runs in the step)"
+    elif run.targs.fsdp:
+        why = "FSDP gathers each layer's weights in hooks a replay would skip; allowed: no --fsdp"
+    if why:
+        raise TrainInputError(f"--cuda-graphs: {why}")
 
 
 def _load_data(run: _Run) -> None:
@@ -322,6 +345,15 @@ def _build_model(run: _Run) -> None:
         model = setup.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                                targets=run.targets, experts=args.lora_experts)
     run.model = model
+    if getattr(args, "cuda_graphs", False):
+        from deltafuse.integrations.transformers.graphed_layers import GraphError, graph_layers
+
+        most = packing.max_sequences_per_row(run.dataset, args.batch_size) if args.packing else None
+        try:
+            run.graphs = graph_layers(model, warmup=2, max_sequences=most)
+        except GraphError as exc:
+            raise TrainInputError(f"--cuda-graphs: {exc}") from None
+        run.stack.callback(run.graphs.remove)
     run.trainable, run.total = setup.count_parameters(model)
     run.lr = args.lr if args.lr is not None else trainargs.default_lr(args.model, run.full)
 
@@ -437,12 +469,15 @@ def _finish(run: _Run, result, elapsed: float) -> dict:
             "checkpoints": [p for _, p in checkpoints(args.output_dir)],
             "save_minutes": getattr(args, "save_minutes", 0.0), "timed_saves": stopper.timed_saves,
             "stack": stack_info(run.device), "metrics": run.metrics_path,
+            "cuda_graphs": None if run.graphs is None else run.graphs.summary(),
         }
         if trainer.is_world_process_zero():
             with open(os.path.join(args.output_dir, "summary.json"), "w") as fh:
                 json.dump(summary, fh, indent=2, default=str)
             for line in run.stats.summary_lines(args.seq_len)[1:]:
                 _say(line)
+            if run.graphs is not None:
+                _say(run.graphs.summary())
             if plan.aside_left:  # the overwrite this run continued is complete now
                 import shutil
 

@@ -174,6 +174,19 @@ def test_tiny_cpu_runs_get_one_thread_unless_the_user_chose():
     assert env["OMP_NUM_THREADS"] == "1"
 
 
+def test_cuda_graphs_reach_the_deltafuse_run_alone():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    args = parser.parse_args(["--model", "dense8", "--cuda-graphs"])
+    on, _ = e2e_runs.child_command(args, "on", "x")
+    off, _ = e2e_runs.child_command(args, "off", "x")
+    fla, _ = e2e_runs.child_command(args, "fla+liger", "x")
+    assert "--cuda-graphs" in on and "--cuda-graphs" not in off and "--cuda-graphs" not in fla
+    assert on[on.index("--model") + 1] == off[off.index("--model") + 1] == "dense8"
+
+
 def test_output_dir_holding_a_train_run_is_refused_naming_only_bench_flags(tmp_path, capsys):
     from deltafuse.train.cli import main as train_main
 

@@ -1,0 +1,319 @@
+"""CUDA graphs of the decoder layers (graphed_layers): the refusals; the dispatch between replays and eager calls
+on CPU, with the capture replaced by a recorder that replays through the graphed callables it was handed (so a
+"replayed" step runs exactly what a graph would hold: the padded boundaries, rebuilt from the captured tensors);
+and on a GPU LoRA steps of the three tiny families whose layers replay from real graphs against the same steps run
+eagerly: the loss and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltafuse import models
+from deltafuse.integrations.transformers import graphed_layers as gl
+from tests.helpers import gpu, needs_cuda, rel_rms
+
+
+def _model(name="tiny-moe", device="cpu", dtype=torch.float32):
+    model = models.build_model(name, dtype=dtype, device=device, seed=int(torch.randint(0, 1000, ()))).train()
+    model.config.use_cache = False  # what graph_layers does (and deltafuse train); GraphedLayers alone does not
+    return model
+
+
+def test_the_layers_are_the_decoder_layers():
+    model = _model()
+    layers = gl.decoder_layers(model)
+    assert layers == list(model.model.layers) and len(layers) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("case", ["checkpointing", "router_logits", "hooks", "own_forward", "cpu", "warmup",
+                                  "max_sequences"])
+def test_unsafe_set_ups_are_refused_in_one_line(case):
+    model = _model()
+    if case == "checkpointing":
+        model.gradient_checkpointing_enable()
+        needle = "gradient checkpointing is on"
+    elif case == "router_logits":
+        model.config.output_router_logits = True
+        needle = "output_router_logits=True"
+    elif case == "hooks":
+        model.model.layers[1].mlp.experts.register_forward_hook(lambda *a: None)
+        needle = "decoder layer 1 has module hooks on ['mlp.experts']"
+    elif case == "own_forward":
+        model.model.layers[2].forward = lambda x: x
+        needle = "decoder layer 2 has its own forward already"
+    elif case == "cpu":
+        needle = "the model's layers are on cpu; allowed: a model on a CUDA device"
+    elif case == "warmup":
+        needle = "warmup=0; allowed: an int >= 1"
+    else:
+        needle = "max_sequences=0; allowed: None (from the warm-up batches) or an int >= 1"
+    with pytest.raises(gl.GraphError) as info:
+        if case == "warmup":
+            gl.GraphedLayers(gl.decoder_layers(model), warmup=0)
+        elif case == "max_sequences":
+            gl.GraphedLayers(gl.decoder_layers(model), max_sequences=0)
+        else:
+            gl.graph_layers(model)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+    assert all("forward" not in vars(b) or case == "own_forward" for b in gl.decoder_layers(model))
+
+
+class _Replayed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Recorder:
+    """Stands in for torch.cuda.make_graphed_callables on CPU: what it captures replays through the callable it was
+    handed (the layer's call rebuilt from the graph's tensors alone, the padded boundaries among them) and counts,
+    so the tests see which calls would replay and what a replay computes."""
+
+    def __init__(self):
+        self.captures, self.replays, self.samples = [], [], []
+
+    def __call__(self, modules, samples, num_warmup_iters=3, allow_unused_input=False):
+        assert not torch.is_autocast_enabled("cuda") or not torch.is_autocast_cache_enabled()
+        assert allow_unused_input  # cos / sin reach the GDN layers, which do not read them
+        self.captures.append([tuple(s[0].shape) for s in samples])
+        self.samples.append(samples)
+        for i, m in enumerate(modules):
+            assert isinstance(m, gl._LayerCall) and all(isinstance(t, torch.Tensor) for t in samples[i])
+
+            def replay(*tensors, i=i, m=m):
+                self.replays.append(i)
+                out = type(m).forward(m, *tensors)
+                return _Replayed.apply(out) if isinstance(out, torch.Tensor) else tuple(
+                    _Replayed.apply(o) for o in out)
+
+            m.forward = replay
+        return modules
+
+
+def _packed(vocab, T, cuts):
+    ids = torch.randint(1, vocab, (1, T))
+    pos = torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, T])]).view(1, T)
+    return dict(input_ids=ids, labels=ids, position_ids=pos)
+
+
+def _step(model, kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**kw)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_dispatch_warms_up_captures_once_and_replays_only_what_matches(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", rec)
+    model = _model()
+    n = model.config.num_hidden_layers
+    layers = gl.decoder_layers(model)
+    graphs = gl.GraphedLayers(layers, warmup=2)
+    ids = torch.randint(1, model.config.vocab_size, (2, 24))
+    kw = dict(input_ids=ids, labels=ids)
+    _step(model, kw)
+    _step(model, kw)
+    assert rec.captures == [] and graphs.graphed is None and graphs.calls == 2
+    _step(model, kw)  # the third training call of layer 0 captures every layer, then replays
+    assert rec.captures == [[(2, 24, model.config.hidden_size)] * n]
+    assert rec.replays == list(range(n)) and graphs.replays == n
+    _step(model, dict(input_ids=ids[:, :16], labels=ids[:, :16]))  # another shape: eager
+    assert graphs.replays == n and graphs.eager_after_capture == n
+    with torch.no_grad():
+        model(input_ids=ids)  # grad mode off: eager
+    model.eval()
+    model(**kw).loss.backward()  # eval mode: eager
+    model.train()
+    assert graphs.replays == n and graphs.eager_after_capture == 3 * n
+    # two forwards before one backward: the second is eager (a replay would overwrite the first's activations)
+    first = model(**kw).loss
+    second = model(**kw).loss
+    assert graphs.replays == 2 * n and graphs.eager_after_capture == 4 * n
+    (first + second).backward()
+    _step(model, kw)  # the backward ran: replays again
+    assert graphs.replays == 3 * n
+    # a replay whose outputs were freed without a backward does not hold the next one back
+    model(**kw)
+    _step(model, kw)
+    assert graphs.replays == 5 * n and len(rec.captures) == 1
+    summary = graphs.summary()
+    assert "captured for (2, 24," in summary and f"{5 * n} replays" in summary
+    assert "inputs other than the captured ones: " in summary and "a second forward before the backward: " in summary
+    graphs.remove()
+    assert all("forward" not in vars(b) for b in layers)
+    _step(model, kw)
+    assert graphs.replays == 5 * n
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
+def test_replays_of_packed_rows_take_the_boundaries_of_each_step(monkeypatch, name):
+    """Packed rows (boundaries from restarting position_ids, other cuts every step): the capture pads the offsets to
+    the room for the most sequences, and every replayed step (the layers called with the padded boundaries rebuilt
+    from the graphs' tensors) gives the loss and gradients of the same step run eagerly; a row of more sequences
+    than that room runs eagerly."""
+    import deltafuse
+
+    rec = _Recorder()
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", rec)
+    model = _model(name)
+    vocab, T, n = model.config.vocab_size, 96, model.config.num_hidden_layers
+    batches = [_packed(vocab, T, [30]), _packed(vocab, T, [10, 50, 51]), _packed(vocab, T, [64]),
+               _packed(vocab, T, [5, 70]), _packed(vocab, T, [1, 2, 40, 90])]
+    with deltafuse.patched(model):
+        eager = [_step(model, kw) for kw in batches]
+        graphs = gl.GraphedLayers(gl.decoder_layers(model), warmup=2)
+        got = [_step(model, kw) for kw in batches]
+        assert graphs.max_sequences == 8  # 4 sequences at most in the warm-up rows: twice that, a power of two
+        assert graphs.replays == 3 * n and graphs.eager_after_capture == 0
+        cu = [s for s in rec.samples[0][0] if s.dtype == torch.int32]
+        assert [tuple(t.shape) for t in cu] == [(9,)]  # the padded offsets: room for 8 sequences
+        crowded = _packed(vocab, T, list(range(4, 80, 8)))  # 11 sequences
+        want = _step(model, crowded)
+        graphs.remove()
+        _step(model, batches[0])
+    for (wl, wg), (gl_, gg) in zip(eager, got):
+        assert torch.allclose(gl_, wl, rtol=1e-6, atol=0), (gl_, wl)
+        assert gg.keys() == wg.keys()
+        for k in wg:
+            assert rel_rms(gg[k], wg[k]) < 1e-5, (k, rel_rms(gg[k], wg[k]))
+    assert graphs.replays == 3 * n and "more sequences than max_sequences=8: " in graphs.summary()
+    assert torch.isfinite(want[0])
+
+
+def test_the_room_given_is_kept(monkeypatch):
+    import deltafuse
+
+    rec = _Recorder()
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", rec)
+    model = _model("tiny")
+    vocab = model.config.vocab_size
+    with deltafuse.patched(model):
+        graphs = gl.GraphedLayers(gl.decoder_layers(model), warmup=1, max_sequences=3)
+        _step(model, _packed(vocab, 40, [20]))
+        _step(model, _packed(vocab, 40, [20]))
+        assert graphs.max_sequences == 3
+        assert [t.shape for t in rec.samples[0][0] if t.dtype == torch.int32] == [(4,)]
+        _step(model, _packed(vocab, 40, [5, 10, 20]))  # 4 sequences: eager
+        assert graphs.eager_after_capture == model.config.num_hidden_layers
+        graphs.remove()
+
+
+def test_a_failed_capture_warns_and_leaves_every_layer_eager(monkeypatch, caplog):
+    def broken(modules, samples, num_warmup_iters=3, allow_unused_input=False):
+        modules[0].forward = lambda *x: x[0]  # a half-done capture
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", broken)
+    model = _model()
+    graphs = gl.GraphedLayers(gl.decoder_layers(model), warmup=1)
+    ids = torch.randint(1, model.config.vocab_size, (1, 20))
+    kw = dict(input_ids=ids, labels=ids)
+    want = _step(model, kw)
+    with caplog.at_level("WARNING", logger="deltafuse"):
+        got = _step(model, kw)
+    assert torch.equal(got[0], want[0])
+    assert "capturing CUDA graphs of the decoder layers failed (RuntimeError: operation not permitted" in caplog.text
+    assert graphs.failed and graphs.graphed is None and "capture failed" in graphs.summary()
+    assert all(getattr(vars(b).get("forward"), "__deltafuse_graphed__", False) for b in graphs.layers)
+    _step(model, kw)
+    assert graphs.replays == 0
+
+
+def test_train_refuses_cuda_graphs_on_cpu_in_one_line(tmp_path, capsys):
+    from deltafuse.train.cli import main
+
+    assert main(["--model", "tiny", "--cuda-graphs", "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = [x for x in err.splitlines() if x.startswith("deltafuse train: error: ")][-1]
+    assert "--cuda-graphs: the device is cpu; allowed: a CUDA device" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_packed_rows_room_of_deltafuse_train():
+    from deltafuse.train.packing import ListDataset, max_sequences_per_row
+
+    bins = ListDataset([[{}] * 3, [{}] * 5, [{}], [{}] * 4])
+    assert max_sequences_per_row(bins, 1) == 6 and max_sequences_per_row(bins, 2) == 10
+
+
+def test_callback_refusals():
+    from types import SimpleNamespace
+
+    from deltafuse.integrations.trainer import DeltafuseCallback
+
+    with pytest.raises(ValueError, match=r"cuda_graphs='yes'\); allowed: True or False"):
+        DeltafuseCallback(cuda_graphs="yes")
+    with pytest.raises(ValueError, match=r"max_sequences=4\); allowed: None, or an int >= 1 with cuda_graphs=True"):
+        DeltafuseCallback(max_sequences=4)
+    cb = DeltafuseCallback(cuda_graphs=True)
+    with pytest.raises(gl.GraphError, match="gradient checkpointing is on in the training arguments"):
+        cb.on_init_end(SimpleNamespace(gradient_checkpointing=True, n_gpu=1), None, None, model=_model())
+
+
+# --- GPU: real graphs ------------------------------------------------------------------------------------------
+def _lora(model):
+    peft = pytest.importorskip("peft")
+    targets = ["q_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"]
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    return peft.get_peft_model(model, cfg)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-next"])
+@pytest.mark.parametrize("rows", ["rows", "packed", "packed-2048"])
+def test_replayed_layers_give_the_eager_loss_and_gradients(name, rows):
+    """A LoRA step (deltafuse applied, bf16 under autocast) whose decoder layers replay from CUDA graphs: the loss and
+    every gradient equal those of the same step run eagerly, for several batches after the capture. Packed rows
+    bring other boundaries every step (the graphs recompute the GDN chunk tables on the device; from 2,048 tokens
+    attention runs varlen_attn on the padded offsets, below it the block-causal mask is a graph input); a row of
+    more sequences than the room runs eagerly and still matches."""
+    import deltafuse
+
+    model = _lora(_model(name, device="cuda", dtype=torch.bfloat16))
+    vocab = model.config.vocab_size
+    T = 2048 if rows == "packed-2048" else 256
+
+    def batch(k):
+        if rows == "rows":
+            ids = torch.randint(1, vocab, (2, T), device="cuda")
+            return dict(input_ids=ids, labels=ids)
+        cuts = sorted(torch.randperm(T - 2)[:k].add(1).tolist())
+        return {key: v.cuda() for key, v in _packed(vocab, T, cuts).items()}
+
+    def step(kw):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**kw).loss
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                       if p.grad is not None}
+
+    with deltafuse.patched(model):
+        batches = [batch(k) for k in (3, 1, 5, 2, 4, 7, 30)]
+        eager = [step(kw) for kw in batches]
+        graphs = gl.graph_layers(model, warmup=2)
+        try:
+            got = [step(kw) for kw in batches]
+            assert graphs.failed is None, graphs.failed
+            n = len(graphs.layers)
+            crowded = 0 if rows == "rows" else 1  # 31 sequences: more than the room of 8 (twice the warm-up's 4)
+            assert graphs.replays == (5 - crowded) * n and graphs.eager_after_capture == crowded * n, graphs.summary()
+        finally:
+            graphs.remove()
+    exact = 0
+    for i, ((wl, wg), (gl_, gg)) in enumerate(zip(eager, got)):
+        assert torch.allclose(gl_, wl, rtol=2e-3, atol=0), (i, gl_, wl)
+        assert gg.keys() == wg.keys() and len(gg) >= 8
+        for k in wg:
+            err = rel_rms(gg[k], wg[k])
+            assert err < 1e-3, (i, k, err)
+            exact += bool(torch.equal(gg[k], wg[k]))
+    print(f"[graphed layers {name} {rows}] {exact} of {sum(len(w) for _, w in eager)} gradients bit-equal")

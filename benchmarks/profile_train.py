@@ -131,11 +131,16 @@ def _tables(prof, steps: int) -> dict:
 
     # kernels only: an op row's self device time repeats its kernels' (the table's "Self CUDA time total" also
     # counts device events only)
-    events = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU]
+    averages = prof.key_averages()
+    events = [e for e in averages if e.device_type != DeviceType.CPU]
     own = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
+    # host: the self CPU time of every recorded op (what the host spent inside torch ops and their Python
+    # callers' recorded functions, the profiler's own overhead included)
+    host = sum(e.self_cpu_time_total for e in averages if e.device_type == DeviceType.CPU)
     return {"by_cuda_time": _top(prof, "cuda_time_total") if cuda else None,
             "by_self_cuda_time": _top(prof, "self_cuda_time_total", 40) if cuda else None,
             "device_ms_per_step": own / 1000 / steps if cuda else None,
+            "host_ms_per_step": host / 1000 / steps,
             "by_cpu_time": _top(prof, "cpu_time_total")}
 
 
@@ -208,6 +213,15 @@ class _forcing:
 
     def __exit__(self, *exc):
         self.lib.select = self.original
+
+
+def _sequences(batch) -> int:
+    """The sequences of a packed batch's row: where its position_ids do not grow by 1 (transformers' rule)."""
+    pos = batch.get("position_ids")
+    if pos is None:
+        return 1
+    pos = pos.reshape(-1)
+    return int(((pos[1:] - pos[:-1]) != 1).sum()) + 1
 
 
 def _run(args, train_argv) -> int:
@@ -285,6 +299,11 @@ def _run(args, train_argv) -> int:
         import deltafuse
 
         deltafuse.apply(model)
+    graphs = None
+    if "--cuda-graphs" in train_argv:  # the loop graphs the layers as the run did (the run removed its graphs)
+        from deltafuse.integrations.transformers.graphed_layers import graph_layers
+
+        graphs = graph_layers(model, warmup=2, max_sequences=max(_sequences(b) for b in batches))
 
     # plain loop on the same rows
     params = [p for p in model.parameters() if p.requires_grad]
@@ -312,6 +331,9 @@ def _run(args, train_argv) -> int:
     result["loop_step_s"] = times
     j = iter(range(10 ** 9))
     result["loop_profile"] = _profile(lambda: loop_step(batches[next(j) % len(batches)]), args.profile_steps)
+    if graphs is not None:
+        result["loop_cuda_graphs"] = graphs.summary()
+        graphs.remove()
     if "--no-deltafuse" not in train_argv:
         deltafuse.revert()
 
@@ -324,6 +346,11 @@ def _run(args, train_argv) -> int:
         "trainer_median_s_after_step3": med(steady), "loop_median_s": med(times[3:] or times),
         "trainer_max_after_step3": max(steady) if steady else None,
         "loop_device_ms_per_step": result["loop_profile"]["device_ms_per_step"],
+        "loop_host_ms_per_step": result["loop_profile"]["host_ms_per_step"],
+        "trainer_device_ms_per_step": (result["trainer_profile"] or {}).get("device_ms_per_step"),
+        "trainer_host_ms_per_step": (result["trainer_profile"] or {}).get("host_ms_per_step"),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if torch.cuda.is_available() else None,
+        "loop_cuda_graphs": result.get("loop_cuda_graphs"),
         "compiles_per_step": {s: sum(1 for e in log.events if e["step"] == s)
                               for s in sorted({e["step"] for e in log.events})},
         "compile_seconds_per_step": {s: round(sum(e["seconds"] or 0 for e in log.events if e["step"] == s), 3)

@@ -20,6 +20,14 @@
 #           same run again in a new process reusing that cache, then stock; whole-process wall times in warmup.txt
 #   cp      context parallelism, 2 GPUs against 1 (benchmarks/context_parallel.py): moe8 LoRA on one sequence of
 #           32,768 and 65,536 tokens both ways, 131,072 and 262,144 (gradient checkpointing) on 2 GPUs; needs 2 GPUs
+#   graphs  CUDA graphs of the decoder layers (--cuda-graphs): their GPU tests (replays against eager steps, the GDN
+#           chunk tables built on the device, varlen attention on padded offsets), then the moe8 LoRA step at 4,096
+#           packed tokens under the profiler (benchmarks/profile_train.py: host and GPU time per step), eager and
+#           with --cuda-graphs
+#   graphs-full   the same for the full-depth Qwen3.5-35B-A3B LoRA step
+#   graphs-peers  the same for dense8, then `deltafuse bench e2e --cuda-graphs`: dense8 at 4,096 tokens against
+#           FLA and FLA+Liger, moe8 at 16,384 against FLA (FLA's Hopper guard lifted for timing); needs fla_core,
+#           einops, liger_kernel in .whl/
 #
 # Run from the repository root. Wheels in .whl/ (fla_core, einops) are installed for the gdn part only, so
 # that "stock" elsewhere is transformers' own torch fallback; liger_kernel and trl wheels (with datasets, dill and
@@ -31,9 +39,9 @@ OUT=${OUT:-./deltafuse-out}
 PARTS=" ${*:-all} "
 for part in $PARTS; do
   case $part in
-    tests|gdn|kernels|blocks|loss|e2e|long|warmup|cp|all) ;;
+    tests|gdn|kernels|blocks|loss|e2e|long|warmup|cp|graphs|graphs-full|graphs-peers|all) ;;
     *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, kernels, blocks, loss, e2e, long, warmup, cp," \
-         "all" >&2
+         "graphs, graphs-full, graphs-peers, all" >&2
        exit 2 ;;
   esac
 done
@@ -131,6 +139,42 @@ if want cp; then
     echo "== cp: needs 2 GPUs, this machine has $ngpu; skipped"
     [[ $PARTS == *" cp "* ]] && rc=1
   fi
+fi
+# steps NAME MODEL: profile_train.py of MODEL's LoRA step at 4,096 packed tokens, eager and with --cuda-graphs
+steps() {
+  local name=$1 model=$2 steps=${3:-12} graphs
+  for graphs in eager graphs; do
+    step "$OUT/steps_${name}_$graphs.log" python3 benchmarks/profile_train.py "$OUT/steps_${name}_$graphs.json" \
+      --profile-steps 2 -- --model "$model" --seq-len 4096 --max-steps "$steps" --log-every 1 --no-progress \
+      --overwrite --output-dir "/tmp/steps-$name" $([[ $graphs == graphs ]] && echo --cuda-graphs)
+    rm -rf "/tmp/steps-$name"
+  done
+}
+if want graphs; then
+  step "$OUT/graphs_tests.log" python3 -m pytest -q -rs tests/integrations/test_graphed_layers.py \
+    tests/integrations/test_packed_attention.py tests/test_ops_api.py -k "gpu or empty_sequences"
+  step "$OUT/graphs_gdn_tests.log" python3 -m pytest -q tests/ops/test_gdn_triton.py \
+    -k "device_plan or (chunk_bf16 and varlen)"
+  steps moe8 moe8
+fi
+if want graphs-full; then
+  steps moe moe 8
+fi
+if want graphs-peers; then
+  ppath=$PYTHONPATH
+  wheels=$(ls .whl/fla_core-*.whl .whl/einops-*.whl .whl/liger_kernel-*.whl 2>/dev/null)
+  if [[ -n $wheels ]] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/peers-graphs $wheels; then
+    ppath=/tmp/peers-graphs:$PYTHONPATH
+  fi
+  steps dense8 dense8
+  step "$OUT/peers_dense8.log" env PYTHONPATH="$ppath" python3 -m deltafuse bench e2e --model dense8 --seq-len 4096 \
+    --max-steps 30 --repeats 1 --peers fla,fla+liger --fla-lift-hopper-guard --cuda-graphs --no-progress \
+    --output-dir "$OUT/peers_dense8" --overwrite
+  step "$OUT/peers_moe8_16k.log" env PYTHONPATH="$ppath" python3 -m deltafuse bench e2e --model moe8 \
+    --seq-len 16384 --max-steps 10 --interval 5 --repeats 1 --peers fla --fla-lift-hopper-guard --cuda-graphs \
+    --no-progress --output-dir "$OUT/peers_moe8_16k" --overwrite
+  rm -rf "$OUT"/peers_*/*/checkpoint-* "$OUT"/peers_*/*/final
 fi
 if [[ -n ${PACK_TO:-} ]]; then
   tar czf "$PACK_TO" -C "$OUT" . && echo "packed $OUT into $PACK_TO" || rc=1

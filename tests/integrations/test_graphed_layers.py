@@ -202,6 +202,14 @@ def test_the_room_given_is_kept(monkeypatch):
         _step(model, _packed(vocab, 40, [5, 10, 20]))  # 4 sequences: eager
         assert graphs.eager_after_capture == model.config.num_hidden_layers
         graphs.remove()
+        # a warm-up batch of more sequences than the room: no capture (one warning), every step eager and correct
+        graphs = gl.GraphedLayers(gl.decoder_layers(model), warmup=1, max_sequences=2)
+        want = _step(model, _packed(vocab, 40, [5, 10, 20]))
+        got = _step(model, _packed(vocab, 40, [5, 10, 20]))
+        assert graphs.failed == "the last warm-up batch holds 4 sequences, more than max_sequences=2"
+        assert rec.captures == [[(1, 40, model.config.hidden_size)] * model.config.num_hidden_layers]
+        assert torch.isfinite(want[0]) and torch.isfinite(got[0])
+        graphs.remove()
 
 
 def test_a_failed_capture_warns_and_leaves_every_layer_eager(monkeypatch, caplog):

@@ -433,6 +433,9 @@ class GraphedLayers:
         return args, kwargs
 
     def _pad_template(self, packing: Packing) -> Packing:
+        if packing.num_sequences > self.max_sequences:
+            raise _Unfit(f"the last warm-up batch holds {packing.num_sequences} sequences, more than "
+                         f"max_sequences={self.max_sequences}")
         return packing.padded_to(self.max_sequences)
 
     def _fail(self, why: str) -> None:

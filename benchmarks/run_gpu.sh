@@ -25,9 +25,8 @@
 #           packed tokens under the profiler (benchmarks/profile_train.py: host and GPU time per step), eager and
 #           with --cuda-graphs
 #   graphs-full   the same for the full-depth Qwen3.5-35B-A3B LoRA step
-#   graphs-peers  the same for dense8, then `deltafuse bench e2e --cuda-graphs`: dense8 at 4,096 tokens against
-#           FLA and FLA+Liger, moe8 at 16,384 against FLA (FLA's Hopper guard lifted for timing); needs fla_core,
-#           einops, liger_kernel in .whl/
+#   graphs-peers  `deltafuse bench e2e --cuda-graphs`: dense8 at 4,096 tokens against FLA and FLA+Liger, moe8 at
+#           16,384 against FLA (FLA's Hopper guard lifted for timing); needs fla_core, einops, liger_kernel in .whl/
 #
 # Run from the repository root. Wheels in .whl/ (fla_core, einops) are installed for the gdn part only, so
 # that "stock" elsewhere is transformers' own torch fallback; liger_kernel and trl wheels (with datasets, dill and
@@ -153,8 +152,7 @@ steps() {
 if want graphs; then
   step "$OUT/graphs_tests.log" python3 -m pytest -q -rs tests/integrations/test_graphed_layers.py \
     tests/integrations/test_packed_attention.py tests/test_ops_api.py -k "gpu or empty_sequences"
-  step "$OUT/graphs_gdn_tests.log" python3 -m pytest -q tests/ops/test_gdn_triton.py \
-    -k "device_plan or (chunk_bf16 and varlen)"
+  step "$OUT/graphs_gdn_tests.log" python3 -m pytest -q tests/ops/test_gdn_triton.py -k "device_plan"
   steps moe8 moe8
 fi
 if want graphs-full; then
@@ -167,7 +165,6 @@ if want graphs-peers; then
       --target /tmp/peers-graphs $wheels; then
     ppath=/tmp/peers-graphs:$PYTHONPATH
   fi
-  steps dense8 dense8
   step "$OUT/peers_dense8.log" env PYTHONPATH="$ppath" python3 -m deltafuse bench e2e --model dense8 --seq-len 4096 \
     --max-steps 30 --repeats 1 --peers fla,fla+liger --fla-lift-hopper-guard --cuda-graphs --no-progress \
     --output-dir "$OUT/peers_dense8" --overwrite

@@ -67,16 +67,25 @@ class GraphError(ValueError):
     """A set-up in which capturing the layers would not be safe (one line: what, the value, what is allowed)."""
 
 
+def _pretrained(model: torch.nn.Module) -> torch.nn.Module:
+    """The outermost transformers model inside ``model`` (PEFT and other wrappers hold it as a submodule): the
+    first module with a config and transformers' checkpointing switch; ``model`` itself when there is none."""
+    if not isinstance(model, torch.nn.Module):
+        raise GraphError(f"graph_layers: model is a {type(model).__name__}; allowed: a torch.nn.Module (a Qwen3.5, "
+                         "Qwen3.5-MoE or Qwen3-Next model, or a wrapper of one)")
+    for module in model.modules():
+        if hasattr(module, "config") and hasattr(type(module), "gradient_checkpointing_enable"):
+            return module
+    return model
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of ``model`` (its text model's ``layers``), in the order a forward calls them."""
-    from deltafuse.patching import find_model
-
-    base = find_model(model)
-    for module in base.modules():
+    for module in _pretrained(model).modules():
         layers = getattr(module, "layers", None)
         if isinstance(layers, torch.nn.ModuleList) and len(layers):
             return list(layers)
-    raise GraphError(f"graph_layers: {type(base).__name__} has no decoder layers (a 'layers' ModuleList); allowed: "
+    raise GraphError(f"graph_layers: {type(model).__name__} has no decoder layers (a 'layers' ModuleList); allowed: "
                      "a Qwen3.5, Qwen3.5-MoE or Qwen3-Next model")
 
 
@@ -94,9 +103,7 @@ def _checkpointing(base) -> bool:
 
 def check_model(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
     """Refuses (``GraphError``, one line) a model whose layers cannot be captured safely."""
-    from deltafuse.patching import find_model
-
-    base = find_model(model)
+    base = _pretrained(model)
     if _checkpointing(base):
         raise GraphError("graph_layers: gradient checkpointing is on; its recompute replays forwards during the "
                          "backward, out of the order the captured graphs share memory in; allowed: checkpointing "
@@ -476,12 +483,10 @@ def graph_layers(model: torch.nn.Module, *, warmup: int = 2, max_sequences: int 
     packed row may hold to replay (None: from the warm-up batches). The model's ``use_cache`` is off meanwhile (a
     training step has no use for a cache, and a replay could not update one: a call with one runs eagerly).
     Returns the controller; ``.remove()`` undoes it all."""
-    from deltafuse.patching import find_model
-
     layers = decoder_layers(model)
     check_model(model, layers)
     graphs = GraphedLayers(layers, warmup, max_sequences)
-    config = getattr(find_model(model), "config", None)
+    config = getattr(_pretrained(model), "config", None)
     for cfg in {id(c): c for c in (config, getattr(config, "text_config", None)) if c is not None}.values():
         if getattr(cfg, "use_cache", None):
             graphs.restore.append((cfg, cfg.use_cache))

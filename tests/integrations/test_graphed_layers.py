@@ -316,12 +316,16 @@ def test_replayed_layers_give_the_eager_loss_and_gradients(name, rows):
             assert graphs.replays == (5 - crowded) * n and graphs.eager_after_capture == crowded * n, graphs.summary()
         finally:
             graphs.remove()
+    # The replays run the same kernels on the same data, except where the padded boundaries change a launch:
+    # varlen_attn then gets the row's length as the longest sequence and schedules its backward differently, so
+    # bf16 roundings may differ (H200, 2,048-token rows: 1.1e-3 and 1.8e-3 in one LoRA gradient, every other one
+    # under 1e-3). A replay holding the wrong boundaries differs by the size of the gradients themselves.
     exact = 0
     for i, ((wl, wg), (gl_, gg)) in enumerate(zip(eager, got)):
         assert torch.allclose(gl_, wl, rtol=2e-3, atol=0), (i, gl_, wl)
         assert gg.keys() == wg.keys() and len(gg) >= 8
         for k in wg:
             err = rel_rms(gg[k], wg[k])
-            assert err < 1e-3, (i, k, err)
+            assert err < 5e-3, (i, k, err)
             exact += bool(torch.equal(gg[k], wg[k]))
     print(f"[graphed layers {name} {rows}] {exact} of {sum(len(w) for _, w in eager)} gradients bit-equal")

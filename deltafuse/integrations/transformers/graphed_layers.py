@@ -147,32 +147,28 @@ class _Call:
     call back together from them (hashable: literals, names, tensor indices, and for a Packing its form)."""
     tensors: list
     spec: tuple
-    packings: list  # the eager Packings of the call (their padded forms are made with the capacity)
+    packing: Packing | None  # the call's eager Packing (its padded form is made with the room decided)
+    grads: tuple = ()  # a template's: the requires_grad of the tensors it was kept from
 
     def key(self) -> tuple:
         return (self.spec, tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in self.tensors),
                 _autocast_state())
 
     def kept(self) -> "_Call":
-        """This call as a template: its tensors detached, their ``requires_grad`` kept as a flag. A template holds
-        no autograd history: a warm-up step's graph kept alive would keep the parameters' gradient accumulators of
+        """This call as a template: its tensors detached (the hidden states as one element of their shape: only
+        their shape, dtype and device are read), their ``requires_grad`` kept in ``grads``. A template holds no
+        autograd history: a warm-up step's graph kept alive would keep the parameters' gradient accumulators of
         that step, whose stream (the default one) a capture on another stream must not wait on."""
-        first = self.tensors[0]  # the hidden states: only their shape, dtype and device are read (one element)
+        first = self.tensors[0]
         hidden = torch.empty((), dtype=first.dtype, device=first.device).expand(first.shape)
-        return _Kept([hidden, *(t.detach() for t in self.tensors[1:])], self.spec, self.packings,
+        return _Call([hidden, *(t.detach() for t in self.tensors[1:])], self.spec, self.packing,
                      tuple(t.requires_grad for t in self.tensors))
-
-
-@dataclass
-class _Kept(_Call):
-    grads: tuple = ()  # requires_grad of each tensor of the call it was kept from
 
 
 def _take_apart(args: tuple, kwargs: dict, pad) -> _Call:
     """The call ``(args, kwargs)`` of a layer as a ``_Call``; ``pad(packing)`` gives a Packing's padded form (or
     raises ``_Unfit``). Raises ``_Unfit`` for what a graph cannot take."""
     tensors: list = []
-    packings: list = []
 
     def tensor(t):
         tensors.append(t)
@@ -196,7 +192,6 @@ def _take_apart(args: tuple, kwargs: dict, pad) -> _Call:
         if not isinstance(packing, Packing):
             raise _Unfit(f"{PACKING_KWARG} of type {type(packing).__name__}")
         padded = pad(packing)
-        packings.append(packing)
     drop_mask = padded is not None and padded_rows_use_varlen(padded, args[0].device)
     spec_kwargs = []
     for name in sorted(kwargs):
@@ -212,7 +207,7 @@ def _take_apart(args: tuple, kwargs: dict, pad) -> _Call:
             spec_kwargs.append((name, ("v", None)))
         else:
             spec_kwargs.append((name, part(value)))
-    return _Call(tensors, (spec_args, tuple(spec_kwargs)), packings)
+    return _Call(tensors, (spec_args, tuple(spec_kwargs)), packing)
 
 
 def _put_together(spec: tuple, tensors) -> tuple[tuple, dict]:
@@ -299,6 +294,8 @@ class GraphedLayers:
             return type(layer).forward(layer, *args, **kwargs)
 
         def forward(*args, **kwargs):
+            if self.failed is not None:  # no graphs this run: the layer as it is, nothing taken apart
+                return original(*args, **kwargs)
             if not (args and self._eligible(layer, args[0])):
                 return self._eager(original, args, kwargs, "not a training call")
             try:
@@ -307,7 +304,7 @@ class GraphedLayers:
                 return self._eager(original, args, kwargs, str(exc))
             if self.graphed is None:
                 self.templates[i] = call.kept()
-                if i == 0 and self.failed is None:
+                if i == 0:
                     self.calls += 1
                     if self.calls > self.warmup:
                         self._capture()
@@ -430,13 +427,13 @@ class GraphedLayers:
                     "most per packed batch", len(self.layers), tuple(calls[0].tensors[0].shape), self.max_sequences)
 
     @staticmethod
-    def _template_call(template: _Kept) -> tuple[tuple, dict]:
+    def _template_call(template: _Call) -> tuple[tuple, dict]:
         """A template's call (its tensors as they required gradients, detached) with its eager Packing back in
         place of the padded one made while warming up."""
         tensors = [t.detach().requires_grad_(g) if g else t for t, g in zip(template.tensors, template.grads)]
         args, kwargs = _put_together(template.spec, tensors)
-        if template.packings:
-            kwargs[PACKING_KWARG] = template.packings[0]
+        if template.packing is not None:
+            kwargs[PACKING_KWARG] = template.packing
         return args, kwargs
 
     def _pad_template(self, packing: Packing) -> Packing:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from deltafuse.backends import probes
 from deltafuse.backends.common import NPU_UNVERIFIED, load_attr, npu_available, npu_supports, torch_supports
 from deltafuse.backends.registry import REGISTRY, CallInfo, Candidate, Registry
-from deltafuse.ops.attention.packed import varlen_api
+from deltafuse.ops.attention.packed import flash_refusal, varlen_api
 
 SDPA = "sdpa_attention"
 PACKED_ATTENTION = "packed_causal_attention"
@@ -18,15 +17,9 @@ def _varlen_available() -> str | None:
 
 
 def _varlen_supports(call: CallInfo) -> str | None:
-    if call.device.type != "cuda":
-        return f"varlen_attn runs flash attention on CUDA devices, not {call.device.type}"
-    if call.dtype not in (torch.float16, torch.bfloat16):
+    if call.device.type == "cuda" and call.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {call.dtype} is not one of fp16, bf16 (flash attention)"
-    cap = probes.cuda_capability(call.device.index)
-    if cap is not None and tuple(cap) < (8, 0):
-        return (f"varlen_attn's flash attention needs compute capability 8.0 or newer; this GPU has "
-                f"{cap[0]}.{cap[1]}")
-    return None
+    return flash_refusal(call.device)
 
 
 def register(registry: Registry) -> None:

@@ -85,15 +85,22 @@ def varlen_api():
     return varlen_attn, causal, "scale" in params, "enable_gqa" in params
 
 
-def varlen_runs_on(device: torch.device) -> bool:
-    """Whether ``varlen_attn`` runs on ``device``: this torch has it, and the device is a CUDA GPU of compute
-    capability 8.0 or newer (flash attention)."""
-    if varlen_api() is None or device.type != "cuda":
-        return False
+def flash_refusal(device: torch.device) -> str | None:
+    """Why ``varlen_attn``'s flash attention cannot run on ``device`` (None: it can): a CUDA GPU of compute
+    capability 8.0 or newer."""
+    if device.type != "cuda":
+        return f"varlen_attn runs flash attention on CUDA devices, not {device.type}"
     from deltafuse.backends import probes
 
     cap = probes.cuda_capability(device.index)
-    return cap is None or tuple(cap) >= (8, 0)
+    if cap is not None and tuple(cap) < (8, 0):
+        return f"varlen_attn's flash attention needs compute capability 8.0 or newer; this GPU has {cap[0]}.{cap[1]}"
+    return None
+
+
+def varlen_runs_on(device: torch.device) -> bool:
+    """Whether ``varlen_attn`` runs on ``device``: this torch has it and ``flash_refusal`` has no objection."""
+    return varlen_api() is not None and flash_refusal(device) is None
 
 
 # flash attention's limit on the head size

@@ -55,16 +55,19 @@ class Plan:
         rows = torch.stack([seq, starts[seq] + within * BT, ends[seq]], 1)  # (sequence, start, end)
         if not self.NC:
             rows = rows.new_zeros(1, 3)
-        # each table starts on a 16-byte boundary: Triton specialises pointer arguments on that, and tables at
-        # offsets of n+1 and 2(n+1) entries for n sequences compiled every chunk kernel a second time whenever a
-        # new n moved them on or off such a boundary (13.6 s at step 2 of a moe8 run on the H200)
-        n1 = len(bounds)
-        pad = b.new_zeros(-n1 % _ALIGN)
-        table = torch.cat([b, pad, offsets, pad, rows.reshape(-1)]).to(torch.int32).to(device, non_blocking=True)
-        step = n1 + pad.numel()
-        self.cu = table[:n1]
-        self.coff = table[step:step + n1]
-        self.chunks = table[2 * step:]
+        self.cu, self.coff, self.chunks = _tables(b, offsets, rows, device)
+
+
+def _tables(cu: torch.Tensor, coff: torch.Tensor, rows: torch.Tensor, device) -> tuple:
+    """(offsets, first chunk of every sequence, chunk rows) as int32 views of one tensor on ``device``, each table
+    starting on a 16-byte boundary: Triton specialises pointer arguments on that, and tables at offsets of n+1 and
+    2(n+1) entries for n sequences compiled every chunk kernel a second time whenever a new n moved them on or off
+    such a boundary (13.6 s at step 2 of a moe8 run on the H200)."""
+    n1 = cu.numel()
+    pad = cu.new_zeros(-n1 % _ALIGN)
+    table = torch.cat([cu, pad, coff, pad, rows.reshape(-1)]).to(torch.int32).to(device, non_blocking=True)
+    step = n1 + pad.numel()
+    return table[:n1], table[step:step + n1], table[2 * step:]
 
 
 def plan_for(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device):
@@ -121,12 +124,7 @@ class DevicePlan:
         start = torch.where(real, cu[seq] + (chunk - coff[seq]) * BT, TT)
         end = torch.where(real, cu[seq + 1], TT)
         rows = torch.stack([seq, start, end], 1) if NC else cu.new_full((1, 3), TT)
-        pad = cu.new_zeros(-(N + 1) % _ALIGN)
-        table = torch.cat([cu, pad, coff, pad, rows.reshape(-1)]).to(torch.int32)
-        step = N + 1 + pad.numel()
-        self.cu = table[:N + 1]
-        self.coff = table[step:step + N + 1]
-        self.chunks = table[2 * step:]
+        self.cu, self.coff, self.chunks = _tables(cu, coff, rows, dev)
 
 
 class PassConfig:

@@ -107,6 +107,9 @@ def check_args(args) -> None:
     if args.fla_lift_hopper_guard and not any("fla" in peers_mod.parts(p) for p in args.peers):
         raise TrainInputError("--fla-lift-hopper-guard applies to FLA runs; add fla or fla+liger to --peers "
                               f"(now: {','.join(args.peers) or 'none'})")
+    if getattr(args, "cuda_graphs", False) and args.gradient_checkpointing:
+        raise TrainInputError("--cuda-graphs: --gradient-checkpointing recomputes forwards during the backward, out of "
+                              "the order the graphs share memory in; allowed: one of the two")
     need = args.interval * (args.warmup_intervals + 1)
     if args.max_steps < need:
         raise TrainInputError(f"--max-steps {args.max_steps} leaves no timed interval; allowed: --max-steps >= "
@@ -172,6 +175,9 @@ def run_e2e(args) -> dict:
     from deltafuse.train.trainer import resolve_defaults
 
     check_args(args)
+    if getattr(args, "cuda_graphs", False) and not setup.training_device().startswith("cuda"):
+        # refused here rather than by the ON run, after the OFF run has already trained
+        raise TrainInputError(f"--cuda-graphs: the device is {setup.training_device()}; allowed: a CUDA device")
     setup.check_model_arg(args.model, patched=True)  # the ON run patches it
     resolve_defaults(args)
     if args.data is not None:  # fail here, once, rather than in the first child

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from deltafuse.bench import e2e, e2e_report, e2e_runs
 from deltafuse.bench.cli import main
@@ -185,6 +186,19 @@ def test_cuda_graphs_reach_the_deltafuse_run_alone():
     fla, _ = e2e_runs.child_command(args, "fla+liger", "x")
     assert "--cuda-graphs" in on and "--cuda-graphs" not in off and "--cuda-graphs" not in fla
     assert on[on.index("--model") + 1] == off[off.index("--model") + 1] == "dense8"
+
+
+@pytest.mark.parametrize("extra,needle", [([], "--cuda-graphs: the device is cpu; allowed: a CUDA device"),
+                                          (["--gradient-checkpointing"], "--cuda-graphs: --gradient-checkpointing")])
+def test_cuda_graphs_refused_before_any_run(tmp_path, capsys, extra, needle):
+    if torch.cuda.is_available() and not extra:
+        pytest.skip("the device refusal is for machines without CUDA")
+    out = tmp_path / "b"
+    assert main(["e2e", "--model", "tiny", "--cuda-graphs", *extra, "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if "error:" in x][-1]
+    assert needle in line and "Traceback" not in err
+    assert not (out / "off").exists()
 
 
 def test_output_dir_holding_a_train_run_is_refused_naming_only_bench_flags(tmp_path, capsys):

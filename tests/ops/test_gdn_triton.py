@@ -214,6 +214,7 @@ def test_chunk_device_plan_fp32(monkeypatch, cu, gate):
     rg, rb = ref["g"], ref["beta"]
     if gate:  # FLA's formula in float64
         rg = -ref["A_log"].exp() * torch.nn.functional.softplus(rg + ref["dt_bias"])
+        rg.retain_grad()
     ro, rht = naive_gated_delta_rule(ref["q"], ref["k"], ref["v"], rg, rb, K**-0.5, ref["initial_state"], True,
                                      True, cu_t)
     do, dht = torch.randn_like(ro), torch.randn_like(rht)
@@ -221,11 +222,18 @@ def test_chunk_device_plan_fp32(monkeypatch, cu, gate):
     assert built == [T]  # built once: the backward runs on the forward's tables (kept in the autograd context)
     ((ro * do).sum() + (rht * dht).sum()).backward()
     assert rel_rms(o, ro) <= FP32_TOL and rel_rms(ht, rht) <= FP32_TOL
+    # dA_log and d dt_bias are sums over every token of terms that cancel (dg g, and da): their error is bounded
+    # against the size of those terms, what an fp32 sum of them resolves (as tests/ops/test_gdn_fla_options.py does)
+    sums = {}
+    if gate:
+        sums = {"A_log": (rg.grad * rg).abs().sum((0, 1)), "dt_bias": ref["g"].grad.abs().sum((0, 1))}
     for n in ours:
-        # dA_log and d dt_bias are sums over every token of terms that cancel: 10x the bound (measured 1.1e-5)
-        tol = FP32_TOL * (10 if n in ("A_log", "dt_bias") else 1)
         assert torch.isfinite(ours[n].grad).all(), n
-        assert rel_rms(ours[n].grad, ref[n].grad) <= tol, (n, rel_rms(ours[n].grad, ref[n].grad))
+        if n in sums:
+            err = (ours[n].grad.double() - ref[n].grad).abs()
+            assert bool((err <= FP32_TOL * sums[n].max()).all()), (n, err.tolist(), sums[n].tolist())
+        else:
+            assert rel_rms(ours[n].grad, ref[n].grad) <= FP32_TOL, (n, rel_rms(ours[n].grad, ref[n].grad))
     empty = [i for i, (a, b) in enumerate(zip(cu, cu[1:])) if a == b]
     for i in empty:
         assert torch.equal(ht[i], xs["initial_state"][i])

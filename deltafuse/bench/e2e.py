@@ -39,7 +39,7 @@ import shutil
 from deltafuse.argtypes import int_at_least
 from deltafuse.bench import e2e_report, e2e_runs
 from deltafuse.bench import peers as peers_mod
-from deltafuse.train.errors import TrainInputError
+from deltafuse.train.errors import TrainInputError, cuda_graphs_refusal
 
 
 MARKER = ".deltafuse-bench-e2e"  # written first into --output-dir: the directory holds a bench e2e result
@@ -107,9 +107,10 @@ def check_args(args) -> None:
     if args.fla_lift_hopper_guard and not any("fla" in peers_mod.parts(p) for p in args.peers):
         raise TrainInputError("--fla-lift-hopper-guard applies to FLA runs; add fla or fla+liger to --peers "
                               f"(now: {','.join(args.peers) or 'none'})")
-    if getattr(args, "cuda_graphs", False) and args.gradient_checkpointing:
-        raise TrainInputError("--cuda-graphs: --gradient-checkpointing recomputes forwards during the backward, out of "
-                              "the order the graphs share memory in; allowed: one of the two")
+    why = getattr(args, "cuda_graphs", False) and cuda_graphs_refusal(
+        checkpointing="--gradient-checkpointing" if args.gradient_checkpointing else None)
+    if why:
+        raise TrainInputError(f"--cuda-graphs: {why}")
     need = args.interval * (args.warmup_intervals + 1)
     if args.max_steps < need:
         raise TrainInputError(f"--max-steps {args.max_steps} leaves no timed interval; allowed: --max-steps >= "

@@ -175,11 +175,10 @@ class DeltafuseCallback(TrainerCallback):
 def _check_graph_args(args) -> None:
     """TrainingArguments under which graphed layers are unsafe: refused in one line (``GraphError``)."""
     from deltafuse.integrations.transformers.graphed_layers import GraphError
+    from deltafuse.train.errors import cuda_graphs_refusal
 
-    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
-        raise GraphError("DeltafuseCallback(cuda_graphs=True): gradient checkpointing is on in the training "
-                         "arguments; its recompute replays forwards during the backward, out of the order the graphs "
-                         "share memory in; allowed: one of the two")
-    if getattr(args, "fsdp", None):
-        raise GraphError(f"DeltafuseCallback(cuda_graphs=True): fsdp={args.fsdp!r}; FSDP gathers each layer's "
-                         "weights in hooks a replay would skip; allowed: no FSDP")
+    checkpointing = getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False)
+    why = cuda_graphs_refusal(checkpointing="gradient checkpointing (on in the training arguments)" if checkpointing
+                              else None, fsdp=f"fsdp={args.fsdp!r}" if getattr(args, "fsdp", None) else None)
+    if why:
+        raise GraphError(f"DeltafuseCallback(cuda_graphs=True): {why}")

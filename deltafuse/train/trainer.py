@@ -36,7 +36,7 @@ from deltafuse.train import ahead
 from deltafuse.train import context_parallel as cp
 from deltafuse.train import data as data_mod
 from deltafuse.train import hfargs, packing, progress, setup, trainargs
-from deltafuse.train.errors import TrainInputError
+from deltafuse.train.errors import TrainInputError, cuda_graphs_refusal
 from deltafuse.train.stopping import is_main_process, make_stopper, say_what_was_kept, signal_name, stopped_by_signal
 from deltafuse.train.outdir import (OutputPlan, check_resume_compatible, checkpoints, plan_output_dir, read_metrics,
                                     replacing)
@@ -268,13 +268,10 @@ def _check_cuda_graphs(args, run: _Run) -> None:
     elif not run.enabled:
         why = ("deltafuse is off (--no-deltafuse or DELTAFUSE_PATCH=0); stock transformers' layers read values on "
                "the host (the experts' routing, packed boundaries), which a graph cannot; allowed: deltafuse on")
-    elif args.gradient_checkpointing:
-        why = ("--gradient-checkpointing recomputes forwards during the backward, out of the order the graphs share "
-               "memory in; allowed: one of the two")
-    elif getattr(args, "context_parallel", 1) > 1:
-        why = f"--context-parallel {args.context_parallel}; allowed: 1 (the relay between ranks runs in the step)"
-    elif run.targs.fsdp:
-        why = "FSDP gathers each layer's weights in hooks a replay would skip; allowed: no --fsdp"
+    else:
+        why = cuda_graphs_refusal(checkpointing="--gradient-checkpointing" if args.gradient_checkpointing else None,
+                                  fsdp=f"--fsdp {run.targs.fsdp!r}" if run.targs.fsdp else None,
+                                  context_parallel=getattr(args, "context_parallel", 1))
     if why:
         raise TrainInputError(f"--cuda-graphs: {why}")
 

@@ -189,7 +189,8 @@ def test_cuda_graphs_reach_the_deltafuse_run_alone():
 
 
 @pytest.mark.parametrize("extra,needle", [([], "--cuda-graphs: the device is cpu; allowed: a CUDA device"),
-                                          (["--gradient-checkpointing"], "--cuda-graphs: --gradient-checkpointing")])
+                                          (["--gradient-checkpointing"], "--cuda-graphs: --gradient-checkpointing recomputes "
+                                                                      "forwards during the backward")])
 def test_cuda_graphs_refused_before_any_run(tmp_path, capsys, extra, needle):
     if torch.cuda.is_available() and not extra:
         pytest.skip("the device refusal is for machines without CUDA")

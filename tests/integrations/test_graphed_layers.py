@@ -261,8 +261,11 @@ def test_callback_refusals():
     with pytest.raises(ValueError, match=r"max_sequences=4\); allowed: None, or an int >= 1 with cuda_graphs=True"):
         DeltafuseCallback(max_sequences=4)
     cb = DeltafuseCallback(cuda_graphs=True)
-    with pytest.raises(gl.GraphError, match="gradient checkpointing is on in the training arguments"):
+    with pytest.raises(gl.GraphError, match=r"DeltafuseCallback\(cuda_graphs=True\): gradient checkpointing \(on in the "
+                                            r"training arguments\) recomputes forwards during the backward"):
         cb.on_init_end(SimpleNamespace(gradient_checkpointing=True, n_gpu=1), None, None, model=_model())
+    with pytest.raises(gl.GraphError, match=r"fsdp='full_shard': FSDP gathers each layer's weights .*allowed: no FSDP"):
+        cb.on_init_end(SimpleNamespace(fsdp="full_shard", n_gpu=1), None, None, model=_model())
 
 
 # --- GPU: real graphs ------------------------------------------------------------------------------------------

@@ -44,6 +44,12 @@ for part in $PARTS; do
        exit 2 ;;
   esac
 done
+for variant in ${STEPS_VARIANTS:-eager graphs}; do
+  case $variant in
+    eager|graphs) ;;
+    *) echo "run_gpu.sh: STEPS_VARIANTS has '$variant'; allowed: eager, graphs (one or both)" >&2; exit 2 ;;
+  esac
+done
 # want PART: is PART (or all) among the parts asked for
 want() { [[ $PARTS == *" $1 "* || $PARTS == *" all "* ]]; }
 mkdir -p "$OUT"
@@ -140,9 +146,10 @@ if want cp; then
   fi
 fi
 # steps NAME MODEL: profile_train.py of MODEL's LoRA step at 4,096 packed tokens, eager and with --cuda-graphs
+# (STEPS_VARIANTS="graphs" or "eager" runs one of the two)
 steps() {
   local name=$1 model=$2 steps=${3:-12} graphs
-  for graphs in eager graphs; do
+  for graphs in ${STEPS_VARIANTS:-eager graphs}; do
     step "$OUT/steps_${name}_$graphs.log" python3 benchmarks/profile_train.py "$OUT/steps_${name}_$graphs.json" \
       --profile-steps 2 -- --model "$model" --seq-len 4096 --max-steps "$steps" --log-every 1 --no-progress \
       --overwrite --output-dir "/tmp/steps-$name" $([[ $graphs == graphs ]] && echo --cuda-graphs)

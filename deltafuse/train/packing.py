@@ -20,6 +20,10 @@ import torch
 
 from deltafuse.train.data import IGNORE_INDEX
 
+# Batch key of the number of real tokens (no filler, no padding) a collator counted on the host; the Trainer of
+# ``steps.trainer_class`` takes it out of the batch before the model sees it.
+TOKENS_KEY = "deltafuse_tokens"
+
 
 class _RoomIndex:
     """Open bins by free room 0..capacity: the fullest bin an example fits in, in O(log capacity + log bins).
@@ -121,17 +125,21 @@ class PackedCollator:
     real sequences' loss and gradients are unchanged.
     """
 
-    def __init__(self, pad_token_id: int | None = None, row_tokens: int | None = None):
+    def __init__(self, pad_token_id: int | None = None, row_tokens: int | None = None, count_tokens: bool = False):
         from transformers import DataCollatorWithFlattening
 
         if row_tokens is not None and pad_token_id is None:
             raise ValueError("PackedCollator: row_tokens needs a pad_token_id to fill the row with")
         self.pad_token_id = pad_token_id
         self.row_tokens = row_tokens
+        self.count_tokens = count_tokens
         self.flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
 
     def __call__(self, bins):
-        batch = self.flatten([ex for b in bins for ex in b])
+        examples = [ex for b in bins for ex in b]
+        batch = self.flatten(examples)
+        if self.count_tokens:
+            batch[TOKENS_KEY] = sum(len(ex["input_ids"]) for ex in examples)
         if self.row_tokens is None:
             return batch
         width = self.row_tokens * len(bins)
@@ -154,8 +162,9 @@ class PaddedCollator:
     Not transformers' ``DataCollatorForSeq2Seq``: it pads through the tokenizer on the tokenizer's padding side,
     which is the left for some models' tokenizers; these rows are right-padded whatever the tokenizer says."""
 
-    def __init__(self, pad_token_id: int):
+    def __init__(self, pad_token_id: int, count_tokens: bool = False):
         self.pad_token_id = pad_token_id
+        self.count_tokens = count_tokens
 
     def __call__(self, examples):
         width = max(len(ex["input_ids"]) for ex in examples)
@@ -167,7 +176,10 @@ class PaddedCollator:
             ids[r, :n] = torch.tensor(ex["input_ids"])
             labels[r, :n] = torch.tensor(ex["labels"])
             mask[r, :n] = 1
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        if self.count_tokens:
+            batch[TOKENS_KEY] = sum(len(ex["input_ids"]) for ex in examples)
+        return batch
 
 
 def max_sequences_per_row(dataset: ListDataset, batch_size: int) -> int:
@@ -177,14 +189,16 @@ def max_sequences_per_row(dataset: ListDataset, batch_size: int) -> int:
     return sum(counts[:batch_size]) + 1
 
 
-def build_dataset(examples: list[dict], seq_len: int, packing: bool, pad_token_id: int):
+def build_dataset(examples: list[dict], seq_len: int, packing: bool, pad_token_id: int, count_tokens: bool = False):
     """(dataset, collator) for the Trainer.
 
     Packed: every bin is filled to the width of the fullest bin built (at most ``seq_len``): all steps have one
     shape, and no row is wider than the data needs (``--seq-len 1000000000`` on short rows allocates short rows).
+    ``count_tokens``: every batch carries its number of real tokens under ``TOKENS_KEY`` (``steps.trainer_class``).
     """
     if packing:
         bins = pack(examples, seq_len)
         width = max(sum(len(ex["input_ids"]) for ex in b) for b in bins)
-        return ListDataset(bins), PackedCollator(pad_token_id, width)
-    return ListDataset(examples), PaddedCollator(pad_token_id)
+        return ListDataset(bins), PackedCollator(pad_token_id, width, count_tokens=count_tokens)
+    return ListDataset(examples), PaddedCollator(pad_token_id, count_tokens=count_tokens)
+

@@ -57,14 +57,16 @@ def _fsdp_config(overrides: dict, args, layers: list[str] | None) -> dict | None
 
 
 def training_arguments(args, device: str, dtype: torch.dtype, *, evaluating: bool,
-                       fsdp_layers: list[str] | None = None):
+                       fsdp_layers: list[str] | None = None, host_tokens: bool = False):
     """deltafuse's TrainingArguments, then the transformers fields given on the command line (checked here,
     before anything heavy: a bad value or combination is a TrainInputError). ``fsdp_layers``: the decoder layer
     classes FSDP wraps, once the model is built.
 
     The Trainer logs every step (``StepLogger`` records each) and draws its own progress bars unless
     --no-progress; ``report_to`` and ``log_level`` are transformers' defaults (no integration; its verbosity as
-    the process set it), given as --report_to / --log_level like any other field."""
+    the process set it), given as --report_to / --log_level like any other field. ``host_tokens``: the batches
+    carry their token counts and the Trainer of ``steps.py`` adds them up, so the Trainer's own count (a read
+    from the GPU after every micro-batch) is off."""
     from transformers import TrainingArguments
 
     overrides = hfargs.trainer_overrides(args)
@@ -82,7 +84,7 @@ def training_arguments(args, device: str, dtype: torch.dtype, *, evaluating: boo
         logging_strategy="steps", logging_steps=1, save_strategy="steps",
         save_steps=args.save_every or args.max_steps, save_total_limit=args.save_total_limit,
         disable_tqdm=not show_progress(args), dataloader_num_workers=0,
-        remove_unused_columns=False, include_num_input_tokens_seen="non_padding", prediction_loss_only=True,
+        remove_unused_columns=False, include_num_input_tokens_seen="no" if host_tokens else "non_padding", prediction_loss_only=True,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu=not device.startswith("cuda"),
         **_checkpointing_args(TrainingArguments, args.gradient_checkpointing and not fsdp),
     )

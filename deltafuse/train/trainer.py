@@ -35,7 +35,7 @@ import torch
 from deltafuse.train import ahead
 from deltafuse.train import context_parallel as cp
 from deltafuse.train import data as data_mod
-from deltafuse.train import hfargs, packing, progress, setup, trainargs
+from deltafuse.train import hfargs, packing, progress, setup, steps, trainargs
 from deltafuse.train.errors import TrainInputError, cuda_graphs_refusal
 from deltafuse.train.stopping import is_main_process, make_stopper, say_what_was_kept, signal_name, stopped_by_signal
 from deltafuse.train.outdir import (OutputPlan, check_resume_compatible, checkpoints, plan_output_dir, read_metrics,
@@ -250,7 +250,8 @@ def _check(run: _Run) -> None:
                                   world=run.world)
     except ValueError as exc:
         raise TrainInputError(str(exc)) from None
-    run.targs = trainargs.training_arguments(args, run.device, run.dtype, evaluating=args.eval_data is not None)
+    run.targs = trainargs.training_arguments(args, run.device, run.dtype, evaluating=args.eval_data is not None,
+                                             host_tokens=run.world == 1)
     if getattr(args, "context_parallel", 1) > 1:
         _ = run.targs.device  # torch.distributed is initialised here (accelerate), then the groups are made
         run.layout = cp.Layout(args.context_parallel)
@@ -313,7 +314,9 @@ def _build_model(run: _Run) -> None:
     vocab = model.get_input_embeddings().weight.shape[0]
     data_mod.check_vocabulary(run.examples, vocab)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    run.dataset, run.collator = packing.build_dataset(run.examples, args.seq_len, args.packing, pad_id)
+    # one process: the batches carry their token counts (steps.py), so the Trainer never reads a count back
+    run.dataset, run.collator = packing.build_dataset(run.examples, args.seq_len, args.packing, pad_id,
+                                                      count_tokens=run.world == 1)
     if run.layout is not None:
         cp.check_model(model, args.context_parallel)
         run.collator = cp.ShardCollator(run.collator, args.context_parallel, run.layout.rank, pad_id,
@@ -331,7 +334,8 @@ def _build_model(run: _Run) -> None:
                 setattr(model.generation_config, key, value)
     if run.targs.fsdp:  # FSDP wraps the decoder layers this model has (its _no_split_modules name absent ones too)
         run.targs = trainargs.training_arguments(args, run.device, run.dtype, evaluating=args.eval_data is not None,
-                                                 fsdp_layers=trainargs.decoder_layer_classes(model))
+                                                 fsdp_layers=trainargs.decoder_layer_classes(model),
+                                                 host_tokens=run.world == 1)
     run.patch_info = apply_deltafuse(model, run.enabled, run.stack,
                                      context_parallel=run.layout.group if run.layout else None)
     run.moe = bool(setup.expert_parameters(model))  # before PEFT renames the expert parameters
@@ -384,6 +388,7 @@ def _make_trainer(run: _Run) -> None:
     if run.layout is not None:
         Trainer = cp.trainer_class(Trainer, run.layout, seed=args.seed)
     Trainer = ahead.trainer_class(Trainer, run.ahead)
+    Trainer = steps.trainer_class(Trainer, host_tokens=run.world == 1)
     if run.world == 1 and targs.n_gpu > 1:
         # one process that sees several GPUs: the Trainer would wrap the model in torch.nn.DataParallel (one
         # thread per GPU, deprecated by torch); train on the first GPU and say how to use them all

@@ -268,6 +268,22 @@ def test_callback_refusals():
         cb.on_init_end(SimpleNamespace(fsdp="full_shard", n_gpu=1), None, None, model=_model())
 
 
+def test_callback_names_the_trainer_settings_that_wait_for_the_gpu():
+    from transformers import TrainingArguments
+
+    from deltafuse.integrations.trainer import step_waits
+
+    def args(**kw):
+        return TrainingArguments(output_dir="unused", use_cpu=True, report_to="none", **kw)
+
+    line = step_waits(args())  # transformers' defaults: the NaN / inf filter on, no token count
+    assert line.startswith("deltafuse: cuda_graphs: logging_nan_inf_filter=True (tests the loss) read the GPU back")
+    assert "include_num_input_tokens_seen" not in line
+    line = step_waits(args(include_num_input_tokens_seen="non_padding"))
+    assert "logging_nan_inf_filter=True (tests the loss) and include_num_input_tokens_seen='non_padding'" in line
+    assert step_waits(args(logging_nan_inf_filter=False)) is None
+
+
 # --- GPU: real graphs ------------------------------------------------------------------------------------------
 def _lora(model):
     peft = pytest.importorskip("peft")

@@ -114,14 +114,36 @@ def _sync():
 
 
 def _top(prof, key: str, n: int = 25) -> str:
-    return prof.key_averages().table(sort_by=key, row_limit=n)
+    return prof.key_averages().table(sort_by=key, row_limit=n, max_name_column_width=100)
+
+
+# --by-shape: the profiles record every op's input shapes (set in main)
+RECORD_SHAPES = False
 
 
 def _profiler():
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                   record_shapes=RECORD_SHAPES)
+
+
+def _by_shape(prof, steps: int, n: int = 60) -> list[dict]:
+    """The torch ops with the most device time of their own kernels (their children's not counted, so no kernel
+    is counted twice; the op's own CPU time on a machine without CUDA), per op name and input shapes: what each
+    elementwise or copy kernel of the step belongs to."""
+    from torch.autograd import DeviceType
+
+    cuda = torch.cuda.is_available()
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        own = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) if cuda \
+            else e.self_cpu_time_total
+        if e.device_type == DeviceType.CPU and own > 0:
+            rows.append({"op": e.key, "shapes": str(e.input_shapes), "calls_per_step": e.count / steps,
+                         "ms_per_step": round(own / 1000 / steps, 3)})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:n]
 
 
 def _tables(prof, steps: int) -> dict:
@@ -141,7 +163,8 @@ def _tables(prof, steps: int) -> dict:
             "by_self_cuda_time": _top(prof, "self_cuda_time_total", 40) if cuda else None,
             "device_ms_per_step": own / 1000 / steps if cuda else None,
             "host_ms_per_step": host / 1000 / steps,
-            "by_cpu_time": _top(prof, "cpu_time_total")}
+            "by_cpu_time": _top(prof, "cpu_time_total"),
+            "by_op_and_shape": _by_shape(prof, steps) if RECORD_SHAPES else None}
 
 
 def _profile(run_step, steps: int) -> dict:
@@ -158,6 +181,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", help="JSON file to write")
     p.add_argument("--profile-steps", type=int, default=3, help="steady steps under torch.profiler (default 3)")
+    p.add_argument("--by-shape", action="store_true",
+                   help="record input shapes: a table of the ops with the most device time of their own kernels, per "
+                        "op and input shapes (eager steps: graph replays show no ops)")
     p.add_argument("--fla-lift-hopper-guard", action="store_true",
                    help="with FLA installed and --no-deltafuse: set fla.ops.common.chunk_o.IS_NVIDIA_HOPPER=False "
                         "where FLA refuses its GDN backward (Hopper, Triton < 3.7.1), for timing only: its "
@@ -170,6 +196,8 @@ def main(argv=None) -> int:
     if args.fla_lift_hopper_guard and "--no-deltafuse" not in train_argv:
         p.error("--fla-lift-hopper-guard times FLA's route: add --no-deltafuse after --")
     forced = _forced_backends(p, args.force_backend)
+    global RECORD_SHAPES
+    RECORD_SHAPES = args.by_shape
     from deltafuse.bench.impls import lifted_fla_hopper_guard
 
     with lifted_fla_hopper_guard(args.fla_lift_hopper_guard), _forcing(forced):

@@ -201,4 +201,3 @@ def build_dataset(examples: list[dict], seq_len: int, packing: bool, pad_token_i
         width = max(sum(len(ex["input_ids"]) for ex in b) for b in bins)
         return ListDataset(bins), PackedCollator(pad_token_id, width, count_tokens=count_tokens)
     return ListDataset(examples), PaddedCollator(pad_token_id, count_tokens=count_tokens)
-

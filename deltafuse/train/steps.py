@@ -13,9 +13,10 @@ host keeps pace with the GPU, and those waits were what kept the Trainer's step 
 Here both are done without a read:
 
 * the NaN / inf filter runs on the device, with the Trainer's semantics: a micro-batch loss that is not finite is
-  replaced by what the Trainer would add in its place, the running sum of the losses since the last log (the
-  Trainer adds ``tr_loss / (1 + global_step - last_logged)``; with its per-step logging, which `deltafuse train`
-  fixes, the denominator is 1 inside a step). ``--logging_nan_inf_filter false`` turns it off, as in the Trainer;
+  replaced by what the Trainer would add in its place, ``tr_loss / (1 + global_step - last_logged)``, where
+  ``tr_loss`` is the sum of the (kept) losses since the last log, kept here on the device as well (with the
+  per-step logging of `deltafuse train` the denominator is 1). ``--logging_nan_inf_filter false`` turns it off, as
+  in the Trainer;
 * the tokens are the collator's host count (``packing.TOKENS_KEY``, the real tokens of the batch: the Trainer's
   ``non_padding`` count without the filler sequence), for one process; several processes keep the Trainer's own
   count, which gathers the ranks' counts.
@@ -43,7 +44,7 @@ def trainer_class(base, *, host_tokens: bool):
             # micro-batch); the setting itself stays the user's wherever else it is read (evaluation, saved args)
             self._deltafuse_nan_filter = bool(self.args.logging_nan_inf_filter)
             self.args.logging_nan_inf_filter = False
-            self._deltafuse_since_log = None  # (global step, device sum of this step's kept losses)
+            self._deltafuse_since_log = None  # (last logged step, device sum of the kept losses since then)
 
         @contextlib.contextmanager
         def _users_nan_filter(self):
@@ -52,6 +53,10 @@ def trainer_class(base, *, host_tokens: bool):
                 yield
             finally:
                 self.args.logging_nan_inf_filter = False
+
+        def train(self, *args, **kwargs):
+            self._deltafuse_since_log = None  # the Trainer starts its own sum at 0 in every train()
+            return super().train(*args, **kwargs)
 
         def evaluation_loop(self, *args, **kwargs):
             with self._users_nan_filter():
@@ -68,11 +73,14 @@ def trainer_class(base, *, host_tokens: bool):
             loss = super().training_step(model, inputs, *args, **kwargs)
             if not self._deltafuse_nan_filter or not isinstance(loss, torch.Tensor):
                 return loss
-            step = self.state.global_step
-            if self._deltafuse_since_log is None or self._deltafuse_since_log[0] != step:
-                self._deltafuse_since_log = (step, torch.zeros_like(loss))
-            kept = torch.where(torch.isfinite(loss), loss, self._deltafuse_since_log[1])
-            self._deltafuse_since_log = (step, self._deltafuse_since_log[1] + kept)
+            # the Trainer's own record of its last log (set by its training loop; a transformers without it is
+            # taken to log every step, as `deltafuse train` does); its sum restarts at 0 with every log
+            last = getattr(self, "_globalstep_last_logged", self.state.global_step)
+            if self._deltafuse_since_log is None or self._deltafuse_since_log[0] != last:
+                self._deltafuse_since_log = (last, torch.zeros_like(loss))
+            since = self._deltafuse_since_log[1]
+            kept = torch.where(torch.isfinite(loss), loss, since / (1 + self.state.global_step - last))
+            self._deltafuse_since_log = (last, since + kept)
             return kept
 
         def prediction_step(self, model, inputs, *args, **kwargs):

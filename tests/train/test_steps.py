@@ -44,7 +44,8 @@ class _Regression(torch.nn.Module):
         return {"loss": loss + torch.tensor(poison).detach()}
 
 
-def _train(tmp_path, name: str, trainer_cls, bad, *, accumulate: int, nan_filter: bool, tokens: bool = False):
+def _train(tmp_path, name: str, trainer_cls, bad, *, accumulate: int, nan_filter: bool, tokens: bool = False,
+           log_every: int = 1):
     from transformers import TrainingArguments
 
     model = _Regression(5, bad)
@@ -62,7 +63,7 @@ def _train(tmp_path, name: str, trainer_cls, bad, *, accumulate: int, nan_filter
         return batch
 
     args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=6, per_device_train_batch_size=1,
-                             gradient_accumulation_steps=accumulate, learning_rate=0.05, logging_steps=1,
+                             gradient_accumulation_steps=accumulate, learning_rate=0.05, logging_steps=log_every,
                              save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
                              logging_nan_inf_filter=nan_filter, remove_unused_columns=False, seed=0,
                              dataloader_num_workers=0, eval_strategy="no",
@@ -80,19 +81,20 @@ def _same(a: list[float], b: list[float]) -> bool:
                                     for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("accumulate,log_every", [(1, 1), (2, 1), (1, 3), (2, 2)])
 @pytest.mark.parametrize("nan_filter", [True, False])
-def test_device_nan_filter_logs_what_the_trainer_logs(tmp_path, accumulate, nan_filter):
-    """Rows 2 (NaN), 5 (inf) and 6 (NaN) poison their micro-batches' losses. The logged losses and the trained
-    weights equal the stock Trainer's, with its filter on (a non-finite loss replaced by the step's sum so far:
-    0 in a first micro-batch, the first one's loss in a second) and off (NaN from then on, as transformers logs)."""
+def test_device_nan_filter_logs_what_the_trainer_logs(tmp_path, accumulate, log_every, nan_filter):
+    """Rows 2, 6, 9 (NaN) and 5 (inf) poison their micro-batches' losses. The logged losses and the trained weights
+    equal the stock Trainer's, with its filter on (a non-finite loss replaced by the sum of the losses since the last
+    log over the steps since then, counting this one: 0 right after a log) and off (NaN from then on, as
+    transformers logs). Logging every step (as `deltafuse train` does) and every 2 or 3 steps."""
     from transformers import Trainer
 
-    bad = {2: float("nan"), 5: float("inf"), 6: float("nan")}
-    stock, w_stock, _, _ = _train(tmp_path, "stock", Trainer, bad, accumulate=accumulate, nan_filter=nan_filter)
-    ours, w_ours, seen, trainer = _train(tmp_path, "ours", steps.trainer_class(Trainer, host_tokens=False), bad,
-                                         accumulate=accumulate, nan_filter=nan_filter)
-    assert len(stock) == 6 and _same(stock, ours), (stock, ours)
+    bad = {2: float("nan"), 5: float("inf"), 6: float("nan"), 9: float("nan")}
+    kw = dict(accumulate=accumulate, nan_filter=nan_filter, log_every=log_every)
+    stock, w_stock, _, _ = _train(tmp_path, "stock", Trainer, bad, **kw)
+    ours, w_ours, seen, trainer = _train(tmp_path, "ours", steps.trainer_class(Trainer, host_tokens=False), bad, **kw)
+    assert len(stock) == 6 // log_every and _same(stock, ours), (stock, ours)
     assert any(math.isnan(x) or math.isinf(x) for x in stock) is not nan_filter  # the case does exercise the filter
     torch.testing.assert_close(w_ours, w_stock, rtol=0, atol=0)
     # evaluation reads the user's setting, and the Trainer's own training-loop test stays off

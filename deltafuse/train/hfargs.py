@@ -34,7 +34,7 @@ FIXED = {
     "logging_steps": "one metrics record per step (--log-every sets the printed lines)",
     "logging_strategy": "one metrics record per step (--log-every sets the printed lines)",
     "remove_unused_columns": "the packed batches carry their own columns",
-    "include_num_input_tokens_seen": "the per-step token counts come from the batches (one process) or from it",
+    "include_num_input_tokens_seen": "the per-step token counts come from the batches with one process, from it with several",
 }
 
 

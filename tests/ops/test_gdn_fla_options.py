@@ -63,8 +63,17 @@ def test_gate_and_beta_in_kernel_match_the_oracle(name, backend, with_bias):
     got = _grads(o, final, leaves, do, dh)
     assert_rel_close(o, ro, 2e-5, "o")
     assert_rel_close(final, rf, 2e-5, "final state")
-    for n in ("q", "k", "v", "a", "b", "h0"):
+    for n in ("q", "k", "v", "b", "h0"):
         assert_rel_close(got[n], ref[n], 5e-5, f"d{n}")
+    # da = dg * dg/da, with dg/da = -exp(A_log) sigmoid(a + dt_bias) known exactly. The Triton kernels' dg is accurate
+    # against the whole tensor's scale, and the factor reweights its elements: their
+    # da is checked as dg = da / (dg/da), every element, against the oracle's dg (measured on 280 draws: dg <= 2.7e-5,
+    # da itself up to 7e-5, and 1.4e-4 once in CI); the torch reference's da directly
+    dgda = -x["A_log"].exp() * torch.sigmoid(x["a"] + (x["dt_bias"] if with_bias else 0))
+    if backend == "torch":
+        assert_rel_close(got["a"], ref["a"], 5e-5, "da")
+    else:
+        assert_rel_close(got["a"].double() / dgda, ref["a"] / dgda, 5e-5, "dg (da over dg/da)")
     # dA_log and d dt_bias are sums over every token of terms that cancel (dg * g, and dg * sigmoid): their error
     # is bounded against the size of those terms, what an fp32 sum of them can resolve; per head for the torch
     # reference, against the largest head for the Triton kernels, whose dg is accurate against the whole tensor's

@@ -391,6 +391,25 @@ def test_non_silu_mlp_and_gateless_norm_run_stock(spy):
     assert spy["rms_norm_gated"] == 0
 
 
+def test_a_norm_class_without_eps_runs_its_own_forward(spy):
+    """Liger's patches put their own zero-centred norm class in the modeling module under the family's name, and it
+    keeps its epsilon as ``variance_epsilon``: the wrapped forward then runs that class's own forward."""
+
+    class OtherNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return x * 2 + self.weight
+
+    forward = af.wrap_rms_norm_forward(OtherNorm.forward)
+    norm, x = OtherNorm(), torch.randn(3, 8)
+    assert torch.equal(forward(norm, x), x * 2 + norm.weight)
+    assert spy["rms_norm_zero_centered"] == 0
+
+
 # --- switches, report, revert ------------------------------------------------------------------------
 def _row_targets(model) -> dict:
     """Identity snapshot of every object a fused_ops / moe row may change."""

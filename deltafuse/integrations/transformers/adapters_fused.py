@@ -60,9 +60,12 @@ def wrap_rms_norm_forward(original):
 
     @functools.wraps(original)
     def forward(self, x, *args, **kwargs):
-        if args or kwargs:
+        # no ``eps``: another class under the family's name (Liger's patches put their own norm, which keeps
+        # ``variance_epsilon``, in the modeling module), whose own forward runs
+        eps = getattr(self, "eps", None)
+        if args or kwargs or eps is None:
             return original(self, x, *args, **kwargs)
-        return ops.rms_norm_zero_centered(x, self.weight, self.eps)
+        return ops.rms_norm_zero_centered(x, self.weight, eps)
 
     return mark_wrapper(forward, original, "wrap_rms_norm_forward")
 

@@ -13,7 +13,8 @@
 #   e2e     `deltafuse bench e2e` for moe8 and dense8 LoRA at 4096 packed tokens, stock vs deltafuse
 #   long    moe8 LoRA at 16,384 tokens, stock vs deltafuse: packed rows, then one sequence per row (the loss
 #           comparable); then deltafuse steps on single 65,536-token sequences with gradient checkpointing
-#           (peak memory in the logs)
+#           (peak memory in the logs), and the same steps with FLA + Liger (FlashQLA under FLA when
+#           .fqla/site.tar.xz holds it) when fla_core, einops and liger_kernel wheels are in .whl/
 #   warmup  what a new process costs before its steps are fast: moe8 LoRA at 4096 packed tokens, 25 steps, with an
 #           empty Triton cache (benchmarks/profile_train.py: each compilation with its step and seconds), first
 #           with --compile-ahead off (kernels compiled one by one as step 1 runs), then with the default, the
@@ -113,9 +114,29 @@ if want long; then
     --overwrite
   rm -rf "$OUT/e2e_moe8_16k_single"/{on,off}/checkpoint-* "$OUT/e2e_moe8_16k_single"/{on,off}/final
   step "$OUT/train_moe8_64k_single.log" python3 -m deltafuse train --model moe8 --data "$OUT/long_rows.jsonl" \
-    --no-packing --seq-len 65536 --max-steps 3 --gradient-checkpointing --log-every 1 --no-progress \
+    --no-packing --seq-len 65536 --max-steps 4 --gradient-checkpointing --log-every 1 --no-progress \
     --output-dir "$OUT/train_moe8_64k_single" --overwrite
-  rm -rf "$OUT/train_moe8_64k_single"/checkpoint-* "$OUT/train_moe8_64k_single"/final "$OUT/long_rows.jsonl"
+  rm -rf "$OUT/train_moe8_64k_single"/checkpoint-* "$OUT/train_moe8_64k_single"/final
+  # the same steps with deltafuse off and FLA + Liger on, FlashQLA under FLA where .fqla/site.tar.xz has it (FLA
+  # hands its GDN calls to FlashQLA by itself; TileLang compiles for minutes on an empty cache, kept in
+  # .fqla/tilelang-cache.tgz); FLA's Hopper guard stays on: without FlashQLA its backward is refused here
+  wheels=$(ls .whl/fla_core-*.whl .whl/einops-*.whl .whl/liger_kernel-*.whl 2>/dev/null)
+  if [[ -n $wheels ]] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/peers-long $wheels; then
+    ppath=/tmp/peers-long:$PYTHONPATH
+    export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tilelang-cache}
+    if [[ -f .fqla/site.tar.xz ]]; then
+      mkdir -p /tmp/fqla "$TILELANG_CACHE_DIR" && tar xJf .fqla/site.tar.xz -C /tmp/fqla && ppath=$ppath:/tmp/fqla/site
+      [[ -f .fqla/tilelang-cache.tgz ]] && tar xzf .fqla/tilelang-cache.tgz -C "$TILELANG_CACHE_DIR"
+    fi
+    step "$OUT/train_moe8_64k_single_fla_liger.log" env PYTHONPATH="$ppath" python3 -m deltafuse.bench.peers \
+      --run fla+liger --report "$OUT/train_moe8_64k_single_fla_liger.json" -- --model moe8 --data "$OUT/long_rows.jsonl" \
+      --no-packing --seq-len 65536 --max-steps 4 --gradient-checkpointing --log-every 1 --no-progress --no-deltafuse \
+      --output-dir "$OUT/train_moe8_64k_single_fla_liger" --overwrite
+    rm -rf "$OUT/train_moe8_64k_single_fla_liger"/checkpoint-* "$OUT/train_moe8_64k_single_fla_liger"/final
+    [[ -d $TILELANG_CACHE_DIR ]] && tar czf "$OUT/tilelang-cache.tgz" -C "$TILELANG_CACHE_DIR" .
+  fi
+  rm -f "$OUT/long_rows.jsonl"
 fi
 if want warmup; then
   # timed NAME CMD...: run CMD, append its whole-process wall time to warmup.txt

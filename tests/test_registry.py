@@ -417,6 +417,42 @@ def test_flash_qla_serves_what_it_takes(monkeypatch):
     assert gd._flash_qla_supports(_flash_qla_call()) is None
 
 
+def test_flash_qla_reports_a_slow_first_call_of_each_shape_once(monkeypatch, caplog):
+    """TileLang compiles FlashQLA's kernels inside its first call of a shape (minutes on an H200): a first call over
+    the threshold is reported once per shape, dtype and layout, with its time; later calls of that shape are not."""
+    import logging
+    import sys
+    import types
+
+    def fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        return v * 2, None
+
+    monkeypatch.setitem(sys.modules, "flash_qla", types.SimpleNamespace(chunk_gated_delta_rule=fake))
+    monkeypatch.setattr(gd, "FLASH_QLA_COMPILE_NOTE_S", 0.0)  # every first call counts as slow
+    run = gd._load_flash_qla()
+
+    def call(T, packed=False):
+        q = torch.randn(1, T, 2, 8, dtype=torch.bfloat16)
+        v = torch.randn(1, T, 4, 8, dtype=torch.bfloat16)
+        g, beta = -torch.rand(1, T, 4), torch.rand(1, T, 4, dtype=torch.bfloat16)
+        run(q, q.clone(), v, g, beta, 0.25, cu_seqlens=torch.tensor([0, 2, T]) if packed else None)
+
+    with caplog.at_level(logging.WARNING, logger="deltafuse"):
+        for T, packed in ((5, False), (5, False), (7, False), (5, True), (7, False)):
+            call(T, packed)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("deltafuse: FlashQLA's first call for q [1, 5, 2, 8], v [1, 5, 4, 8] (bfloat16) took ")
+    assert "[1, 7, 2, 8]" in lines[1] and "(bfloat16, packed)" in lines[2]
+    assert all("TileLang compiles its kernels on first use of a shape" in line for line in lines)
+    monkeypatch.setattr(gd, "FLASH_QLA_COMPILE_NOTE_S", 1e9)  # a fast first call is not reported
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="deltafuse"):
+        call(9)
+    assert not caplog.records
+
+
 def test_flash_qla_argument_mapping(monkeypatch):
     import sys
     import types

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
+import time
 
 import torch
 
@@ -17,6 +19,8 @@ RECURRENT = "fused_recurrent_gated_delta_rule"
 CHUNK_KERNEL = "deltafuse.ops.gated_delta.kernel"
 RECURRENT_KERNEL = "deltafuse.ops.gated_delta.kernel_recurrent"
 REFERENCE = "deltafuse.ops.gated_delta.reference"
+
+log = logging.getLogger(__name__)
 
 # The q/k head size deltafuse's Triton kernels take: the state tile [K, V] lives in registers, with K padded to
 # a power of two of at most 256 (both kernels raise above it).
@@ -77,6 +81,10 @@ def fla_backward_known_bad(call: CallInfo) -> str | None:
 FLASH_QLA_HEAD = 128
 FLASH_QLA_FORCED_ONLY = ("FlashQLA's bf16 output is measured 3.7e-3 from float64 (relative RMS), over the 3e-3 "
                          "bound of the automatic GDN backends (BENCHMARKS.md#long-context-gdn)")
+# TileLang compiles FlashQLA's kernels on their first use for a shape, on the host, inside the call: on an H200 3.5
+# minutes for the four benchmark shapes' forward and backward, 5.5 minutes for the first step of moe8 LoRA on one
+# 65,536-token sequence (BENCHMARKS.md#moe8-64k-s16). A first forward of a shape taking longer than this is reported.
+FLASH_QLA_COMPILE_NOTE_S = 2.0
 
 
 def _flash_qla_available() -> str | None:
@@ -105,17 +113,29 @@ def _flash_qla_forced_only(call: CallInfo) -> str | None:
 
 def _load_flash_qla():
     fn = importlib.import_module("flash_qla").chunk_gated_delta_rule
+    seen = set()  # (shape of q, shape of v, dtype, packed or not) of the calls made so far
 
     def run(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
             cu_seqlens=None):
         if v.dtype != q.dtype:
             raise BackendError(f"FlashQLA needs v in q's dtype {q.dtype}, got v.dtype={v.dtype}; allowed: one dtype "
                                "for q, k and v (or another backend)")
+        key = (tuple(q.shape), tuple(v.shape), q.dtype, cu_seqlens is None)
+        first = key not in seen
+        t0 = time.perf_counter()
         # its backward asserts an fp32 g (the models compute the gate in fp32); states are fp32 by the op's contract
         o, final = fn(q, k, v, g.float(), beta, scale=scale,
                       initial_state=None if initial_state is None else initial_state.float(),
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                       cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+        if first:
+            seen.add(key)
+            took = time.perf_counter() - t0
+            if took >= FLASH_QLA_COMPILE_NOTE_S:
+                log.warning("deltafuse: FlashQLA's first call for q %s, v %s (%s%s) took %.1f s: TileLang compiles "
+                            "its kernels on first use of a shape (its backward's on the first backward, minutes "
+                            "more); they are cached on disk for later processes", list(q.shape), list(v.shape),
+                            str(q.dtype).replace("torch.", ""), ", packed" if cu_seqlens is not None else "", took)
         return o, (None if final is None else final.float())
 
     return run
@@ -167,7 +187,9 @@ def register(registry: Registry) -> None:
                       verified=False, note="flash-linear-attention's kernels on an Ascend NPU through triton-ascend "
                                            "(fwd+bwd); " + NPU_UNVERIFIED),
             Candidate("flash_qla", _load_flash_qla, _flash_qla_available, _flash_qla_supports,
-                      auto_skip=_flash_qla_forced_only, note="FlashQLA's TileLang kernels (fwd+bwd; forced only)"),
+                      auto_skip=_flash_qla_forced_only,
+                      note="FlashQLA's TileLang kernels (fwd+bwd; forced only; compiled on the first use of a shape, "
+                           "minutes on an H200)"),
             Candidate("torch", load_attr(REFERENCE, "chunk_gated_delta_rule_torch"), supports=torch_supports,
                       note="deltafuse's chunked torch reference (any device)"),
         ],

@@ -151,6 +151,31 @@ def test_the_cycle_collector_never_runs_inside_the_capture(monkeypatch, collecto
         graphs.remove()
 
 
+def test_removed_graphs_leave_no_reference_cycle(monkeypatch):
+    """make_graphed_callables gives each captured module a forward that refers to the module (the recorder does
+    the same): after remove(), dropping the model frees its layers at once, without the cycle collector. Left to
+    it, a dropped graphed model (its layers, graphs and their memory) was freed whenever a collection ran, inside a
+    later capture too."""
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _Recorder())
+    model = _model()
+    graphs = gl.GraphedLayers(gl.decoder_layers(model), warmup=2)
+    ids = torch.randint(1, model.config.vocab_size, (2, 24))
+    for _ in range(3):
+        _step(model, dict(input_ids=ids, labels=ids))
+    assert graphs.replays == model.config.num_hidden_layers
+    layer = weakref.ref(gl.decoder_layers(model)[0])
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        graphs.remove()
+        del model, graphs
+        assert layer() is None
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_dispatch_warms_up_captures_once_and_replays_only_what_matches(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", rec)

@@ -279,6 +279,7 @@ class GraphedLayers:
         self.most_sequences = 0  # the most sequences of a packed batch the warm-up calls held
         self.templates: list[_Call | None] = [None] * len(self.layers)
         self.graphed: list | None = None  # the replaying callables, once captured
+        self._wrappers: list = []  # the captured _LayerCall modules (remove() takes their graphed forwards off)
         self.keys: list | None = None  # what each layer's graphs were captured for
         self.failed: str | None = None  # why the capture failed (every layer then stays eager)
         self.replays = 0  # graphed calls so far (all layers)
@@ -433,6 +434,7 @@ class GraphedLayers:
             if collecting:
                 gc.enable()
         self.graphed = [w.forward for w in wrappers]
+        self._wrappers = wrappers
         self.keys = [c.key() for c in calls]
         self.templates = [None] * len(self.layers)  # nothing of the warm-up steps is kept
         logger.info("deltafuse: captured CUDA graphs of %d decoder layers for hidden states %s, %d sequences at "
@@ -460,11 +462,17 @@ class GraphedLayers:
         logger.warning("deltafuse: capturing CUDA graphs of the decoder layers failed (%s); they run eagerly", why)
 
     def remove(self) -> None:
-        """The class forwards back on every layer; the graphs (and their memory pool) are freed."""
+        """The class forwards back on every layer; the graphs (and their memory pool) are freed as soon as nothing
+        else holds the layers. torch's make_graphed_callables gives each captured module a forward that refers to
+        the module itself, a reference cycle that only the cycle collector would free (the layer, its graphs and
+        their static buffers with it); those forwards are taken off here."""
         for layer in self.layers:
             fwd = vars(layer).get("forward")
             if getattr(fwd, "__deltafuse_graphed__", False):
                 del layer.forward
+        for wrapper in self._wrappers:
+            vars(wrapper).pop("forward", None)
+        self._wrappers = []
         self.graphed = None
         self.templates = [None] * len(self.layers)
         self._pending = [None] * len(self.layers)

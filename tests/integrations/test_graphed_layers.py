@@ -124,8 +124,9 @@ class _Cycle:
 
 @pytest.mark.parametrize("collector", ["on", "off"])
 def test_the_cycle_collector_never_runs_inside_the_capture(monkeypatch, collector):
-    """Dead cycles of the eager steps are collected before the capture, and the automatic collector is off while it
-    runs (on the H200 captures failed in runs as its counters came round), then back as the user had it."""
+    """Garbage in reference cycles (a dropped graphed model's, for one) is collected before the capture, and the
+    automatic collector is off while it runs (on the H200 captures failed in runs as its counters came round), then
+    back as the user had it."""
     cycle = None
     rec = _Recorder(at_capture=lambda: (gc.isenabled(), cycle()))
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", rec)

@@ -414,10 +414,12 @@ class GraphedLayers:
                             *(t.detach().clone().requires_grad_(t.requires_grad) for t in call.tensors[1:])))
         enabled, dtype = _autocast_state()
         # Python's cycle collector must not run inside the capture. On the H200 (transformers 5.24, tiny-moe LoRA
-        # steps) 26 of 178 captures failed with "operation failed due to a previous error during capture", in runs
-        # of every third capture as the collector's counters came round (what a collection frees there, dead
-        # cycles of the eager steps, presumably makes CUDA calls a capture forbids). With the dead
-        # cycles collected first and the collector held off until the capture is over, 124 of 124 succeeded.
+        # steps, a new graphed model each round in one process) 26 of 178 captures failed with "operation failed due
+        # to a previous error during capture", in runs of every third capture as the collector's counters came
+        # round: what a collection frees there (the dropped graphed models of earlier rounds, which torch's
+        # make_graphed_callables leaves in reference cycles, their CUDA graphs and memory with them) presumably
+        # makes CUDA calls a capture forbids. With the garbage collected first and the collector held off until the
+        # capture is over, 124 of 124 succeeded.
         gc.collect()
         torch.cuda.empty_cache()  # the eager steps' cached blocks, for the graphs' own pool
         collecting = gc.isenabled()

@@ -34,6 +34,12 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
 else
   echo "setup: using the installed torch $("$VPY" -c 'import torch; print(torch.__version__)')"
 fi
+# An environment on top of BASE_VENV sees the base's packages, among them the hub-kernels package `kernels` that
+# transformers 5.25+ requires; an older transformers breaks on a `kernels` newer than its own `kernels` extra names
+# (5.9.0 with kernels 0.19: ValueError at import), so it gets the one that extra names, ahead of the base's.
+if [ -n "$BASE_VENV" ] && [ -n "$TRANSFORMERS_SPEC" ]; then
+  TRANSFORMERS_SPEC="${TRANSFORMERS_SPEC/#transformers/transformers[kernels]}"
+fi
 # one resolver run, so no extra can move transformers off the requested version
 pip_q -e ".[test,train]" $TRANSFORMERS_SPEC
 "$VPY" -c "import torch, transformers; print('setup: torch', torch.__version__, '| transformers', transformers.__version__)"

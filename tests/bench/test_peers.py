@@ -21,8 +21,17 @@ STUBS = os.path.join(os.path.dirname(__file__), "peer_stubs")
 FLA_STUB = os.path.join(STUBS, "fla_dist")
 LIGER_STUB = os.path.join(STUBS, "liger_dist")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# 5.15+: transformers takes FLA whenever `import fla` works; before, only with CUDA (none here)
-TF_PICKS_FLA_ON_CPU = version_tuple(transformers.__version__) >= (5, 15)
+
+
+def _tf_picks_fla_on_cpu() -> bool:
+    """5.15-5.24: transformers takes FLA whenever `import fla` works; before, only with CUDA (none here); 5.25+
+    only for tensors on a device FLA serves, which the CPU is not."""
+    from tests.test_verify import stock_runs_torch_off_its_devices
+
+    return version_tuple(transformers.__version__) >= (5, 15) and not stock_runs_torch_off_its_devices()
+
+
+TF_PICKS_FLA_ON_CPU = _tf_picks_fla_on_cpu()
 TINY = ["--model", "tiny", "--seq-len", "128", "--num-examples", "20", "--no-progress"]
 
 
@@ -104,7 +113,7 @@ def test_peers_table_rows_call_counts_and_fla_kept_out_of_off(stub_env, tmp_path
             # the stand-ins compute the stock function: every step's loss is OFF's
             for a, b in zip(res["steps"]["off"][0], res["steps"][run][0], strict=True):
                 assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
-        else:  # old transformers never takes FLA without CUDA: the run is stock, and says so
+        else:  # before 5.15 (no CUDA here) and from 5.25 (CPU tensors) stock never calls FLA: the run is stock
             assert info["status"] == "peer not used" and info["stats"] is None and run not in res["steps"]
             assert "peer not used: FLA's chunk_gated_delta_rule was called 0 times" in row
             assert row.count("| - ") == 8

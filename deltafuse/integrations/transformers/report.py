@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deltafuse.integrations.transformers.rows import MISSING, SWITCHES
+from deltafuse.integrations.transformers.stock import held_function
 
 
 @dataclass
@@ -220,5 +221,10 @@ def describe(value) -> str:
         return f"{getattr(value, '__deltafuse_factory__', 'deltafuse wrapper')}({describe(inner)})"
     func = getattr(value, "__func__", value)
     module = getattr(func, "__module__", None) or type(func).__module__
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
-    return f"{module}.{name}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+    if name is None:
+        held = held_function(func)  # transformers 5.25+ with `kernels`: a Func module around the function
+        if held is not None:
+            return describe(held)
+    return f"{module}.{name or type(func).__name__}"
+

@@ -7,7 +7,10 @@ Qwen3.5-MoE and Qwen3-Next on its own, without looking at the device:
 * transformers 5.15+ ("new design") decorates the module functions ``torch_chunk_gated_delta_rule``,
   ``torch_recurrent_gated_delta_rule``, ``causal_conv1d_fn`` and ``causal_conv1d_update``; the decorator calls
   FLA's / causal-conv1d's kernel whenever ``import fla`` / ``import causal_conv1d`` worked at import time, so a
-  CPU-only box with FLA installed crashes inside FLA ("0 active drivers").
+  CPU-only box with FLA installed crashes inside FLA ("0 active drivers"). From 5.25 the decorator calls the
+  package only for tensors on a device it serves (its ``supported_devices``; FLA: cuda, xpu, mlu, npu) and the
+  torch function for others, and with the ``kernels`` package (which 5.25 requires) each decorated function is a
+  ``Func`` module around the decorator's wrapper (``held_function`` finds the wrapper).
 * transformers 5.2-5.14 ("old design", the modeling module defines ``is_fast_path_available``) binds module
   globals (``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``, ``causal_conv1d_fn``,
   ``causal_conv1d_update``, ``FusedRMSNormGated``) at import when CUDA and the package are there, and every
@@ -46,7 +49,7 @@ from unittest import mock
 
 import torch
 
-__all__ = ["Place", "stock_choices", "stock_fast_path_problems", "stock_places", "stock_torch_baseline"]
+__all__ = ["Place", "held_function", "stock_choices", "stock_fast_path_problems", "stock_places", "stock_torch_baseline"]
 
 TORCH = "torch"
 # op names (deltafuse's, the FLA ones) of the places, for the usability check
@@ -75,6 +78,9 @@ class Place:
     attr: str
     choice: str  # "torch", or the package stock calls there ("fla", "causal_conv1d", ...)
     torch_value: Any  # what to put there for the pure-torch baseline
+    # the device types on which stock calls ``choice`` there; on others its own wrapper calls the torch function
+    # (transformers 5.25+); None: on every device
+    devices: tuple[str, ...] | None = None
 
 
 def _package(obj) -> str:
@@ -106,25 +112,48 @@ def _short(module: types.ModuleType) -> str:
 
 
 # --- new design ------------------------------------------------------------------------------------------
-def _new_design_choice(fn: Callable) -> tuple[str, Callable]:
-    """(stock's choice, transformers' pure-torch function) for a decorated module function."""
+def held_function(obj) -> Callable | None:
+    """The function a callable object without a name calls, from its class's ``forward`` closure: transformers
+    5.25+ with the ``kernels`` package turns each decorated module function into such an object (a ``Func``
+    module whose forward calls the decorator's wrapper); None for anything else."""
+    if getattr(obj, "__qualname__", None) is not None:
+        return None
+    forward = vars(type(obj)).get("forward")
+    for cell in getattr(forward, "__closure__", None) or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if callable(held) and getattr(held, "__qualname__", None):
+            return held
+    return None
+
+
+def _new_design_choice(fn: Callable) -> tuple[str, Callable, tuple[str, ...] | None]:
+    """(stock's choice, transformers' pure-torch function, the device types stock calls that choice on, None for
+    all) for a decorated module function."""
+    fn = held_function(fn) or fn
     torch_fn = inspect.unwrap(fn)
     if fn is torch_fn or getattr(fn, "__deltafuse_stock_torch__", False):  # (already) the torch function
-        return TORCH, torch_fn
-    # the decorator's wrapper keeps the implementation it picked at import in its closure
+        return TORCH, torch_fn, None
+    # the decorator's wrapper keeps the implementation it picked at import in its closure (5.25+: also the device
+    # types that implementation runs on; on any other its wrapper calls the torch function)
     layer = fn
     while layer is not None:
         try:
-            picked = inspect.getclosurevars(layer).nonlocals.get("implementation")
+            nonlocals = inspect.getclosurevars(layer).nonlocals
         except (TypeError, ValueError):
-            picked = None
+            nonlocals = {}
+        picked = nonlocals.get("implementation")
         if picked is not None:
-            return (TORCH if picked is torch_fn else _package(picked)), torch_fn
+            devices = nonlocals.get("supported_devices")
+            devices = tuple(devices) if isinstance(devices, (tuple, list)) else None
+            return (TORCH if picked is torch_fn else _package(picked)), torch_fn, devices
         layer = getattr(layer, "__wrapped__", None)
         if layer is torch_fn:
             break
     # an unknown wrapper: assume it may call something else than torch
-    return f"unknown ({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')})", torch_fn
+    return f"unknown ({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')})", torch_fn, None
 
 
 def _torch_only(torch_fn: Callable, name: str) -> Callable:
@@ -187,8 +216,9 @@ def stock_places(model) -> list[Place]:
                 fn = getattr(module, attr, None)
                 if fn is None:
                     continue
-                choice, torch_fn = _new_design_choice(fn)
-                places.append(Place(f"{short}.{attr}", op, module, attr, choice, _torch_only(torch_fn, attr)))
+                choice, torch_fn, devices = _new_design_choice(fn)
+                places.append(Place(f"{short}.{attr}", op, module, attr, choice, _torch_only(torch_fn, attr),
+                                    devices))
     for path, layer in _gdn_layers(model):
         module = sys.modules.get(type(layer).__module__)
         if module is None or not hasattr(module, "is_fast_path_available"):
@@ -218,6 +248,8 @@ def stock_choices(model) -> dict[str, str]:
 def _place_problem(place: Place, device: torch.device, dtype: torch.dtype, needs_grad: bool) -> str | None:
     if place.choice == TORCH:
         return None
+    if place.devices is not None and device.type not in place.devices:
+        return None  # stock's own wrapper calls the torch function on this device (transformers 5.25+)
     if place.choice == "fla":
         from deltafuse.backends import REGISTRY
         from deltafuse.backends.registry import CallInfo

@@ -222,11 +222,14 @@ def test_chunk_device_plan_fp32(monkeypatch, cu, gate):
     assert built == [T]  # built once: the backward runs on the forward's tables (kept in the autograd context)
     ((ro * do).sum() + (rht * dht).sum()).backward()
     assert rel_rms(o, ro) <= FP32_TOL and rel_rms(ht, rht) <= FP32_TOL
-    # dA_log and d dt_bias are sums over every token of terms that cancel (dg g, and da): their error is bounded
-    # against the size of those terms, what an fp32 sum of them resolves (as tests/ops/test_gdn_fla_options.py does)
+    # dA_log and d dt_bias are sums over every token of terms that cancel (dg g, and da), whose factors dg and da
+    # are accurate to FP32_TOL of their norm: by Cauchy-Schwarz the sums' errors are bounded by FP32_TOL |dg| |g|
+    # and FP32_TOL |da| sqrt(T) per head (the sum of |dg g| alone was exceeded by 4 % once in CI: 6.3e-5 against
+    # 6.1e-5); a missing or doubled chunk part is off by the size of that chunk's sum, orders above either
     sums = {}
     if gate:
-        sums = {"A_log": (rg.grad * rg).abs().sum((0, 1)), "dt_bias": ref["g"].grad.abs().sum((0, 1))}
+        sums = {"A_log": (rg.grad.pow(2).sum((0, 1)) * rg.pow(2).sum((0, 1))).sqrt(),
+                "dt_bias": ref["g"].grad.pow(2).sum((0, 1)).sqrt() * T ** 0.5}
     for n in ours:
         assert torch.isfinite(ours[n].grad).all(), n
         if n in sums:

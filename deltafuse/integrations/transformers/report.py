@@ -227,4 +227,3 @@ def describe(value) -> str:
         if held is not None:
             return describe(held)
     return f"{module}.{name or type(func).__name__}"
-

@@ -49,7 +49,8 @@ from unittest import mock
 
 import torch
 
-__all__ = ["Place", "held_function", "stock_choices", "stock_fast_path_problems", "stock_places", "stock_torch_baseline"]
+__all__ = ["Place", "held_function", "stock_choices", "stock_fast_path_problems", "stock_places",
+           "stock_torch_baseline"]
 
 TORCH = "torch"
 # op names (deltafuse's, the FLA ones) of the places, for the usability check

@@ -1,7 +1,8 @@
 """How often the CUDA-graph capture of the decoder layers succeeds, and how far replays are from eager steps.
 
-Each round builds a fresh bf16 LoRA model of a tiny family on the GPU, runs seven packed batches eagerly (the
-first one twice: the eager step's own run-to-run spread, from atomics in the backward kernels), captures its
+Each round builds a fresh bf16 LoRA model of a tiny family on the GPU (the LoRA set-up and packed rows of
+``tests/integrations/test_graphed_layers.py``), runs seven packed batches eagerly (the first one twice: the eager
+step's own run-to-run spread), captures its
 decoder layers (``graph_layers``, two warm-up calls) and runs the same batches again, replayed. Per round it prints
 whether the capture succeeded, the eager spread and the largest relative RMS between a replayed and an eager
 gradient; a round whose replays differ by 5e-3 or more (the GPU test's bound) lists every such gradient. Rounds
@@ -24,34 +25,26 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-300))
+from tests.helpers import rel_rms  # noqa: E402
 
 
 def one_round(name: str, T: int, every_expert: bool) -> tuple[str | None, float, list]:
-    import peft
-
     import deltafuse
     from deltafuse import models
     from deltafuse.integrations.transformers import graphed_layers as gl
+    from tests.integrations.test_graphed_layers import _lora, _packed
 
     config = models.build_config(name)
     over = {"num_experts_per_tok": config.num_experts} if every_expert and hasattr(config, "num_experts") else {}
     model = models.build_model(name, dtype=torch.bfloat16, device="cuda", seed=int(torch.randint(0, 1000, ())),
                                **over).train()
     model.config.use_cache = False
-    targets = ["q_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"]
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                       init_lora_weights=False))
+    model = _lora(model)
     vocab = model.config.vocab_size
 
     def batch(k):
         cuts = sorted(torch.randperm(T - 2)[:k].add(1).tolist())
-        pos = torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, T])]).view(1, T)
-        ids = torch.randint(1, vocab, (1, T))
-        return {"input_ids": ids.cuda(), "labels": ids.cuda(), "position_ids": pos.cuda()}
+        return {key: v.cuda() for key, v in _packed(vocab, T, cuts).items()}
 
     def step(b):
         model.zero_grad(set_to_none=True)
@@ -70,10 +63,8 @@ def one_round(name: str, T: int, every_expert: bool) -> tuple[str | None, float,
         finally:
             graphs.remove()
     spread = max(rel_rms(again[k], eager[0][k]) for k in again)
-    over_bound = [(i, k, rel_rms(r[k], e[k])) for i, (e, r) in enumerate(zip(eager, replayed)) for k in e
-                  if rel_rms(r[k], e[k]) >= 5e-3]
-    worst = max(rel_rms(r[k], e[k]) for e, r in zip(eager, replayed) for k in e)
-    return graphs.failed, spread, [worst, over_bound]
+    errors = [(i, k, rel_rms(r[k], e[k])) for i, (e, r) in enumerate(zip(eager, replayed)) for k in e]
+    return graphs.failed, spread, [max(err for *_, err in errors), [x for x in errors if x[2] >= 5e-3]]
 
 
 def main(argv=None) -> int:

@@ -121,14 +121,13 @@ def _load_flash_qla():
             raise BackendError(f"FlashQLA needs v in q's dtype {q.dtype}, got v.dtype={v.dtype}; allowed: one dtype "
                                "for q, k and v (or another backend)")
         key = (tuple(q.shape), tuple(v.shape), q.dtype, cu_seqlens is None)
-        first = key not in seen
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if key not in seen else None
         # its backward asserts an fp32 g (the models compute the gate in fp32); states are fp32 by the op's contract
         o, final = fn(q, k, v, g.float(), beta, scale=scale,
                       initial_state=None if initial_state is None else initial_state.float(),
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                       cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
-        if first:
+        if t0 is not None:
             seen.add(key)
             took = time.perf_counter() - t0
             if took >= FLASH_QLA_COMPILE_NOTE_S:

@@ -439,6 +439,44 @@ def _make_stock_pick_standins(model, monkeypatch):
     return module, "old"
 
 
+def test_stock_reads_a_function_module_and_the_devices_its_wrapper_serves():
+    """transformers 5.25 with the ``kernels`` package: each decorated module function is a ``Func`` module whose
+    forward calls the decorator's wrapper, and the wrapper calls the package it picked only on its supported
+    devices. Built here as 5.25 builds them (whatever transformers is installed): stock's choice is the package,
+    on CUDA only; on the CPU stock itself runs the torch function, so there is no problem to work around; the
+    report names the function, not ``Func``."""
+    import functools
+
+    from deltafuse.integrations.transformers import report, stock
+
+    def torch_chunk_gated_delta_rule(q):
+        return q
+
+    def decorate(torch_function, implementation, supported_devices):
+        @functools.wraps(torch_function)
+        def wrapped(*args, **kwargs):
+            return (implementation if supported_devices else torch_function)(*args, **kwargs)
+
+        return wrapped
+
+    fla_kernel = _standin_modules()["fla"].chunk_gated_delta_rule
+    wrapped = decorate(torch_chunk_gated_delta_rule, fla_kernel, ("cuda", "xpu"))
+
+    class Func(torch.nn.Module):  # kernels' _create_func_module
+        def forward(self, *args, **kwargs):
+            return wrapped(*args, **kwargs)
+
+    func = Func()
+    assert stock.held_function(func) is wrapped and stock.held_function(wrapped) is None
+    choice, torch_fn, devices = stock._new_design_choice(func)
+    assert (choice, torch_fn, devices) == ("fla", torch_chunk_gated_delta_rule, ("cuda", "xpu"))
+    place = stock.Place("m.torch_chunk_gated_delta_rule", stock.CHUNK, None, "x", choice, None, devices)
+    assert stock._place_problem(place, torch.device("cpu"), torch.float32, True) is None
+    unaware = stock.Place(place.name, stock.CHUNK, None, "x", choice, None)  # before 5.25: every device
+    assert "the tensors are on cpu" in stock._place_problem(unaware, torch.device("cpu"), torch.float32, True)
+    assert report.describe(func) == f"{__name__}.{torch_chunk_gated_delta_rule.__qualname__}"
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-next"])
 def test_stock_torch_baseline_equals_stock_without_fla(name, monkeypatch):
     """Within the context, a model whose stock choice is (stand-in) FLA computes exactly what stock computes

@@ -376,9 +376,12 @@ def test_act_grads_triton_matches_float64(need, S, I):
         assert_rel_close(a, b, 1e-6, name)
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 4, 3, 1), (13, 40, 8, 8, 4), (6, 24, 12, 5, 5), (9, 16, 40, 4, 3)])
+@pytest.mark.parametrize("shape", [(1, 8, 4, 3, 1), (13, 40, 8, 8, 4), (6, 24, 12, 5, 5), (9, 16, 40, 4, 3),
+                                   (30, 24, 20, 3, 2)])
 def test_triton_experts_match_float64(shape):
-    """The experts with the Triton per-token sums: output and every gradient against float64."""
+    """The experts with the Triton per-token sums (and, interpreted or on the devices that take them, the Triton
+    grouped matmuls: the last shape gives each expert two row tiles and reductions of 20 and 40 that are no
+    multiple of the tile): output and every gradient against float64."""
     kernel = _kernel()
     N, H, I, E, k = shape
     _check(kernel.moe_experts_triton, *_inputs(N, H, I, E, k, seed=sum(shape) + 1), 5e-6)
@@ -392,6 +395,114 @@ def test_triton_experts_without_tokens_on_some_experts_and_forced_through_the_op
     got = _check(lambda *a: _api()(*a, backend="triton"), x, idx, w, gu, dn, 5e-6)
     assert torch.equal(got[2][3:], torch.zeros_like(got[2][3:]))
     assert torch.equal(got[3][3:], torch.zeros_like(got[3][3:]))
+
+
+# --- the Triton grouped matmuls -----------------------------------------------------------------------------
+def _mm_kernel():
+    return triton_kernel_module("deltafuse.ops.moe.kernel_mm", "_grouped_mm_kernel")
+
+
+def _sorted_routing(counts, gen):
+    """offs [E] int32 (cumulative ends) for experts with ``counts`` sorted rows, and a random token of each
+    sorted row among N = sum(counts) // 2 + 1 tokens (rows gathered out of order, some tokens twice)."""
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    S = int(offs[-1]) if counts else 0
+    n = S // 2 + 1
+    return offs, torch.randint(0, n, (S,), generator=gen), n
+
+
+@pytest.mark.parametrize("impl", ["tile_map", "tile_map_torch"])
+@pytest.mark.parametrize("bm", [1, 4, 16])
+def test_tile_map_cuts_every_experts_rows_into_tiles_once(bm, impl):
+    """Every sorted row is in exactly one tile, of its own expert, each tile's first row is a multiple of ``bm``
+    rows into its expert, and the slots past the last tile (expert -1, first row 0) fill the shape-only bound;
+    the Triton map equals the torch one."""
+    kernel_mm = _mm_kernel()
+    tile_map = getattr(kernel_mm, impl)
+    gen = torch.Generator().manual_seed(bm)
+    drawn = [torch.randint(0, 3 * bm + 2, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+             for _ in range(4)]
+    for counts in ([0, 5, 0, 17, 1, 0], [33], [0, 0, 3], [bm] * 4, [0, 0], *drawn):
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+        S, E = int(offs[-1]), len(counts)
+        expert, first = (t.cpu() for t in tile_map(offs.to(DEVICE), S, bm))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(kernel_mm.tile_map_torch(offs.to(DEVICE), S, bm),
+                                                           (expert, first)))
+        assert expert.dtype == first.dtype == torch.int32
+        assert expert.numel() == first.numel() == (S + E * (bm - 1)) // bm
+        owner = torch.full((S,), -1)
+        starts = [0] + offs[:-1].tolist()
+        for e, r in zip(expert.tolist(), first.tolist()):
+            if e < 0:
+                continue
+            end = int(offs[e])
+            assert starts[e] <= r < end and (r - starts[e]) % bm == 0, (counts, e, r)
+            rows = torch.arange(r, min(r + bm, end))
+            assert (owner[rows] == -1).all(), (counts, e, r)
+            owner[rows] = e
+        want = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+        assert torch.equal(owner, want), counts
+        real = (expert >= 0).nonzero().flatten()
+        assert real.numel() == 0 or bool((expert[real.max() + 1:] == -1).all())
+        assert not first[expert < 0].any()
+
+
+@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("counts,K,M", [([5, 0, 40, 1], 24, 40), ([16, 16], 32, 16), ([0, 33, 0], 20, 7),
+                                          ([3], 1, 5)])
+def test_grouped_mm_triton_matches_float64(gather, layout, counts, K, M):
+    """out[r] = a[rows[r]] @ w[e] (or a[r] @ w[e]) for each expert's sorted rows against a float64 product,
+    every element: experts without rows, with one and with several row tiles, reductions and widths that are no
+    multiple of the tiles, the weights in both layouts (K or M contiguous, as the forward's transposed views and
+    the data gradients' plain weights are)."""
+    kernel_mm = _mm_kernel()
+    gen = torch.Generator().manual_seed(sum(counts) * 31 + K + M + gather)
+    offs, rows, n = _sorted_routing(counts, gen)
+    S, E = int(offs[-1]), len(counts)
+    src = torch.randn(n if gather else S, K, generator=gen)
+    w = torch.randn(E, K, M, generator=gen) if layout == "kn" else torch.randn(E, M, K, generator=gen).transpose(1, 2)
+    got = kernel_mm.grouped_mm_triton(src.to(DEVICE), w.to(DEVICE), offs.to(DEVICE),
+                                      rows.to(DEVICE) if gather else None)
+    a = src.double()[rows] if gather else src.double()
+    want = torch.cat([a[int(lo):int(hi)] @ w[e].double()
+                      for e, (lo, hi) in enumerate(zip([0] + offs[:-1].tolist(), offs.tolist()))])
+    assert got.shape == (S, M) and got.dtype == src.dtype
+    assert_rel_close(got, want, 1e-6, "grouped_mm")
+    assert (got.cpu().double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_grouped_mm_triton_without_rows():
+    kernel_mm = _mm_kernel()
+    out = kernel_mm.grouped_mm_triton(torch.randn(4, 8, device=DEVICE), torch.randn(3, 8, 5, device=DEVICE),
+                                      torch.zeros(3, dtype=torch.int32, device=DEVICE),
+                                      torch.zeros(0, dtype=torch.int64, device=DEVICE))
+    assert out.shape == (0, 5)
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_triton_experts_run_their_matmuls_in_triton_with_the_rows_gathered_inside(monkeypatch, frozen):
+    """Where the Triton matmuls serve (interpreted, or a measured GPU), all four matmuls of a call are Triton's and
+    no [S, H] gather into expert order is made for them: the hidden states' rows (forward) and the output
+    gradient's rows (backward, unless the down weight gradient needs them) are read by the kernel; one tile map
+    serves the call."""
+    kernel = _kernel()
+    if not kernel._triton_mm_device(torch.empty(1, device=DEVICE)):
+        pytest.skip("the Triton grouped matmuls do not serve this device")
+    from deltafuse.ops.moe import kernel_mm
+
+    calls, maps = [], []
+    real_mm, real_map = kernel_mm.grouped_mm_triton, kernel_mm.tile_map
+    monkeypatch.setattr(kernel_mm, "grouped_mm_triton",
+                        lambda a, w, offs, rows=None, *rest: calls.append(rows is not None) or real_mm(a, w, offs, rows,
+                                                                                                     *rest))
+    monkeypatch.setattr(kernel_mm, "tile_map", lambda *a: maps.append(1) or real_map(*a))
+    x, idx, w, gu, dn = _inputs(11, 16, 8, 4, 2, seed=5)
+    gu.requires_grad_(not frozen)
+    dn.requires_grad_(not frozen)
+    out = kernel.moe_experts_triton(x, idx, w, gu, dn)
+    out.backward(torch.randn_like(out))
+    assert calls == [True, False, frozen, False] and maps == [1]
 
 
 # --- selection and argument checks -------------------------------------------------------------------------
@@ -646,3 +757,39 @@ def test_npu_route_argument_mapping(monkeypatch):
     x0, idx0, w0_, gu0, dn0 = _inputs(0, H, I, E, k, device="cpu")
     out0 = impl(x0, idx0, w0_, gu0, dn0)
     assert out0.shape == (0, H) and not calls
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gather", [True, False])
+def test_gpu_grouped_mm_at_qwen35_sizes_is_as_close_to_float64_as_torchs(gather):
+    """bf16 at Qwen3.5-35B-A3B sizes (4,096 tokens, 256 experts, top-8; skewed: some experts with several row
+    tiles, some with none): each of the experts' four matmul shapes, every element of three experts' rows (the
+    two largest and the smallest) against float64, no farther than torch's grouped kernel (one bf16 rounding of
+    an fp32 sum: the relative RMS of each about 1.7e-3, within 2.5e-3, and ours at most 1.1x torch's)."""
+    kernel_mm = _mm_kernel()
+    gen = torch.Generator().manual_seed(17 + gather)
+    E, n, k, H, I = 256, 4096, 8, 2048, 512
+    pop = (1.0 / (torch.arange(E, dtype=torch.float64) + 8.0))[torch.randperm(E, generator=gen)]
+    pop[5] = 0.0  # expert 5 gets no row
+    # Gumbel top-k: k distinct experts per token, drawn with probability ~ popularity
+    idx = (pop.log() - torch.log(-torch.log(torch.rand(n, E, generator=gen, dtype=torch.float64)))).topk(k).indices
+    plan = reference._Plan(idx.cuda(), E)
+    counts = torch.diff(plan.offs, prepend=plan.offs.new_zeros(1)).cpu()
+    assert counts[5] == 0 and counts.max() > 2 * 128
+    ends = plan.offs.tolist()
+    # the forward's transposed weight views (K contiguous), then the data gradients' plain weights (M contiguous)
+    for K, M, k_contiguous in ((H, 2 * I, True), (I, H, True), (H, I, False), (2 * I, H, False)):
+        src = torch.randn(n if gather else plan.token.numel(), K, generator=gen).cuda().bfloat16()
+        w = torch.randn(E, M, K, generator=gen).transpose(1, 2) if k_contiguous else torch.randn(E, K, M, generator=gen)
+        w = (w / K ** 0.5).cuda().bfloat16()
+        rows = plan.token if gather else None
+        got = kernel_mm.grouped_mm_triton(src, w, plan.offs, rows)
+        a = src[rows] if gather else src
+        theirs = reference._grouped_call(a, w, plan.offs)
+        for e in [int(c) for c in counts.topk(2).indices] + [int(counts[counts > 0].argmin())]:
+            lo, hi = (ends[e - 1] if e else 0), ends[e]
+            want = a[lo:hi].double() @ w[e].double()
+            ours, torch_err = rel_rms(got[lo:hi], want), rel_rms(theirs[lo:hi], want)
+            assert ours < 2.5e-3 and ours <= 1.1 * torch_err, (K, M, e, ours, torch_err)
+            assert (got[lo:hi].double() - want).abs().max() <= 2 ** -7 * want.abs().max(), (K, M, e)

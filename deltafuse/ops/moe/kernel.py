@@ -19,11 +19,14 @@ reference rounds (silu(gate) and act to the inputs' dtype, g * w and g * w * up 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from deltafuse.config import triton_interpreting
+from deltafuse.ops.moe import kernel_mm
 from deltafuse.ops.moe.reference import ExpertKernels, run_grouped
 
 # widest column block of one program; a token's k rows of it are loaded together
@@ -128,8 +131,50 @@ def act_grads_triton(gu, g, w_sorted, w_dtype, need_w: bool, need_down: bool, ne
     return (None if dws is None else dws.to(w_dtype)), act_w, dgu
 
 
+# CUDA compute capabilities where the Triton grouped matmuls beat torch's at the sizes measured
+# (BENCHMARKS.md#moe-grouped-mm); elsewhere torch's grouped kernel serves (its loop where it has none)
+TRITON_MM_CAPABILITIES = ((9, 0),)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _triton_mm_device(t: torch.Tensor) -> bool:
+    if triton_interpreting():
+        return t.device.type == "cpu" and t.dtype == torch.float32
+    if t.device.type != "cuda" or t.dtype not in (torch.float16, torch.bfloat16) or torch.version.hip is not None:
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _capability(index) in TRITON_MM_CAPABILITIES
+
+
 class _TritonSums(ExpertKernels):
-    """The reference's grouped matmuls with the per-token sums and the backward's activation step in Triton."""
+    """The reference's routing with the per-token sums, the backward's activation step and, on the devices of
+    ``TRITON_MM_CAPABILITIES``, the forward and data-gradient grouped matmuls (``kernel_mm``) in Triton."""
+
+    def __init__(self, grouped: bool, n_experts: int, zero_empty: bool):
+        super().__init__(grouped, n_experts, zero_empty)
+        self._tiles = {}
+
+    def _triton_mm(self, a, rows, w, offs):
+        config = kernel_mm.INTERPRETED_CONFIG if triton_interpreting() else kernel_mm.MMConfig()
+        S = a.shape[0] if rows is None else rows.shape[0]
+        key = (config.bm, S)
+        if key not in self._tiles:  # the four matmuls of one call share the routing, hence the tile map
+            self._tiles[key] = kernel_mm.tile_map(offs, S, config.bm)
+        return kernel_mm.grouped_mm_triton(a, w, offs, rows, self._tiles[key], config)
+
+    def mm(self, x, w, offs):
+        if _triton_mm_device(x):
+            return self._triton_mm(x, None, w, offs)
+        return super().mm(x, w, offs)
+
+    def mm_rows(self, src, rows, w, offs):
+        if _triton_mm_device(src):
+            return self._triton_mm(src, rows, w, offs)
+        return super().mm_rows(src, rows, w, offs)
 
     @staticmethod
     def gather_sum(rows, index, weights):

@@ -161,6 +161,10 @@ class ExpertKernels:
             return _grouped_call(x, w, offs)
         return _loop_mm(x, w, offs)
 
+    def mm_rows(self, src, rows, w, offs):
+        """src[rows] @ w[e] per group: the sorted slots' rows of ``src`` ([N, K] in token order) gathered first."""
+        return self.mm(src[rows], w, offs)
+
     def wgrad(self, a, b, offs):
         if self.grouped and _aligned(a.t(), b):
             out = _grouped_call(a.t(), b, offs)
@@ -247,9 +251,7 @@ class _MoeExperts(torch.autograd.Function):
         k = top_k_index.shape[1]
         inter = down.shape[2]
         plan = _Plan(top_k_index, gate_up.shape[0])
-        x_g = hidden[plan.token]
-        gu = mats.mm(x_g, gate_up.transpose(1, 2), plan.offs)
-        del x_g
+        gu = mats.mm_rows(hidden, plan.token, gate_up.transpose(1, 2), plan.offs)
         act = _swiglu(gu[:, :inter], gu[:, inter:])
         y = mats.mm(act, down.transpose(1, 2), plan.offs)
         del act
@@ -272,9 +274,12 @@ class _MoeExperts(torch.autograd.Function):
         n, hdim = hidden.shape
         dt = hidden.dtype
         dout = dout.to(dt).contiguous()
-        do_g = dout[plan.token]  # [S, H]: d(out) at each sorted slot's token
         w_sorted = top_k_weights.reshape(-1)[plan.perm].to(dt)
-        g = mats.mm(do_g, down, plan.offs)  # [S, I] = dout_n @ down[e]
+        # d(out) at each sorted slot's token, [S, H]: gathered once when the down weight gradient needs it too,
+        # else only inside the matmul (mm_rows)
+        do_g = dout[plan.token] if need_down else None
+        # [S, I] = dout_n @ down[e]
+        g = mats.mm_rows(dout, plan.token, down, plan.offs) if do_g is None else mats.mm(do_g, down, plan.offs)
         dws, act_w, dgu = mats.act_grads(gu, g, w_sorted, top_k_weights.dtype, need_w, need_down,
                                          need_h or need_gu)
         del g
@@ -283,8 +288,7 @@ class _MoeExperts(torch.autograd.Function):
             d_w = dws[plan.inverse()].view(n, plan.k)
         if need_down:
             d_down = mats.wgrad(do_g, act_w, plan.offs)
-            del act_w
-        del do_g
+            del act_w, do_g
         if dgu is not None:
             if need_h:
                 # before the [E, 2I, H] weight gradient exists, so that the [S, H] data gradient is freed by

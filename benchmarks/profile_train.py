@@ -192,7 +192,14 @@ def main(argv=None) -> int:
                    help="serve op OP by its candidate NAME wherever a call leaves the choice to the registry, as "
                         "a per-call backend=NAME would (e.g. moe_experts=torch, for an A/B of one op's "
                         "candidates inside the step); repeatable")
+    p.add_argument("--moe-matmuls", choices=["auto", "torch"], default="auto",
+                   help="torch: the Triton experts candidate keeps torch's grouped matmuls on every device (an A/B "
+                        "of its Triton grouped matmuls inside the step; default: auto, the candidate's own choice)")
     args = p.parse_args(ours)
+    if args.moe_matmuls == "torch":
+        from deltafuse.ops.moe import kernel as moe_kernel
+
+        moe_kernel.TRITON_MM_CAPABILITIES = ()
     if args.fla_lift_hopper_guard and "--no-deltafuse" not in train_argv:
         p.error("--fla-lift-hopper-guard times FLA's route: add --no-deltafuse after --")
     forced = _forced_backends(p, args.force_backend)

@@ -26,6 +26,10 @@
 #           packed tokens under the profiler (benchmarks/profile_train.py: host and GPU time per step), eager and
 #           with --cuda-graphs
 #   graphs-full   the same for the full-depth Qwen3.5-35B-A3B LoRA step
+#   moe-mm  the experts' grouped matmuls, torch's against Triton's (bench_grouped_mm.py), and the experts' GPU tests
+#   moe-mm-steps  the moe8 LoRA step at 4,096 packed tokens under the profiler as shipped and without the Triton
+#           grouped matmuls (profile_train.py --moe-matmuls torch)
+#   moe-mm-full   the same two for the full-depth Qwen3.5-35B-A3B LoRA step
 #   graphs-peers  `deltafuse bench e2e --cuda-graphs`: dense8 at 4,096 tokens against FLA and FLA+Liger, moe8 at
 #           16,384 against FLA (FLA's Hopper guard lifted for timing); needs fla_core, einops, liger_kernel in .whl/
 #
@@ -39,9 +43,9 @@ OUT=${OUT:-./deltafuse-out}
 PARTS=" ${*:-all} "
 for part in $PARTS; do
   case $part in
-    tests|gdn|kernels|blocks|loss|e2e|long|warmup|cp|graphs|graphs-full|graphs-peers|all) ;;
+    tests|gdn|kernels|blocks|loss|e2e|long|warmup|cp|graphs|graphs-full|graphs-peers|moe-mm|moe-mm-steps|moe-mm-full|all) ;;
     *) echo "run_gpu.sh: unknown part '$part'; allowed: tests, gdn, kernels, blocks, loss, e2e, long, warmup, cp," \
-         "graphs, graphs-full, graphs-peers, all" >&2
+         "graphs, graphs-full, graphs-peers, moe-mm, moe-mm-steps, moe-mm-full, all" >&2
        exit 2 ;;
   esac
 done
@@ -166,13 +170,14 @@ if want cp; then
     [[ $PARTS == *" cp "* ]] && rc=1
   fi
 fi
-# steps NAME MODEL: profile_train.py of MODEL's LoRA step at 4,096 packed tokens, eager and with --cuda-graphs
-# (STEPS_VARIANTS="graphs" or "eager" runs one of the two)
+# steps NAME MODEL [STEPS [PROFILE_ARGS...]]: profile_train.py of MODEL's LoRA step at 4,096 packed tokens, eager
+# and with --cuda-graphs (STEPS_VARIANTS="graphs" or "eager" runs one of the two)
 steps() {
   local name=$1 model=$2 steps=${3:-12} graphs
+  shift $(( $# < 3 ? $# : 3 ))
   for graphs in ${STEPS_VARIANTS:-eager graphs}; do
     step "$OUT/steps_${name}_$graphs.log" python3 benchmarks/profile_train.py "$OUT/steps_${name}_$graphs.json" \
-      --profile-steps 2 -- --model "$model" --seq-len 4096 --max-steps "$steps" --log-every 1 --no-progress \
+      --profile-steps 2 "$@" -- --model "$model" --seq-len 4096 --max-steps "$steps" --log-every 1 --no-progress \
       --overwrite --output-dir "/tmp/steps-$name" $([[ $graphs == graphs ]] && echo --cuda-graphs)
     rm -rf "/tmp/steps-$name"
   done
@@ -186,6 +191,17 @@ fi
 if want graphs-full; then
   steps moe moe 8
 fi
+if want moe-mm; then
+  step "$OUT/grouped_mm.log" python3 benchmarks/bench_grouped_mm.py "$OUT/grouped_mm.json"
+  step "$OUT/moe_tests.log" python3 -m pytest -q -m gpu tests/ops/test_moe.py
+fi
+for model in moe8 moe; do
+  if want "$([[ $model == moe ]] && echo moe-mm-full || echo moe-mm-steps)"; then
+    n=$([[ $model == moe ]] && echo 8 || echo 12)
+    steps "${model}_shipped" $model $n
+    steps "${model}_torch_mm" $model $n --moe-matmuls torch
+  fi
+done
 if want graphs-peers; then
   ppath=$PYTHONPATH
   wheels=$(ls .whl/fla_core-*.whl .whl/einops-*.whl .whl/liger_kernel-*.whl 2>/dev/null)

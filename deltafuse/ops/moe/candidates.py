@@ -14,9 +14,10 @@ def register(registry: Registry) -> None:
     registry.register(MOE_EXPERTS, Candidate(
         "triton", load_attr(KERNEL, "moe_experts_triton"), triton_available(KERNEL), triton_supports,
         auto_skip=triton_auto_skip,
-        note="the torch reference's grouped matmuls with the two per-token sums over each token's slots (the "
-             "weighted output, the hidden-state gradient) in one Triton pass each (fp32 accumulator, "
-             "deterministic)"))
+        note="the torch reference's routing with the two per-token sums over each token's slots (the weighted "
+             "output, the hidden-state gradient) in one Triton pass each (fp32 accumulator, deterministic); on "
+             "the H200 (compute capability 9.0) also the forward and data-gradient grouped matmuls, the routed rows "
+             "gathered inside the kernel; elsewhere torch's grouped matmuls"))
     registry.register(MOE_EXPERTS, Candidate(
         "npu", load_attr("deltafuse.ops.moe.npu", "moe_experts_npu"), npu_available("npu_grouped_matmul"),
         npu_supports, verified=False,

@@ -36,8 +36,9 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 class MMConfig:
     """Tile sizes of one grouped matmul launch: BM rows, BN output columns, BK of the reduction per step."""
 
-    # the fastest of the tiles tried on the H200 for all four matmuls, at 4,096 and 16,384 tokens
-    # (BENCHMARKS.md#moe-grouped-mm)
+    # on the H200 the fastest of ten tiles for every one of the four matmuls at 4,096 and 16,384 tokens in a first
+    # sweep; in a second, with new ones, the same tile with 4 stages was 2.5 % faster summed over the cases (not yet
+    # timed in a training step) (BENCHMARKS.md#moe-grouped-mm)
     bm: int = 128
     bn: int = 256
     bk: int = 64

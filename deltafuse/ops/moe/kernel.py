@@ -131,8 +131,9 @@ def act_grads_triton(gu, g, w_sorted, w_dtype, need_w: bool, need_down: bool, ne
     return (None if dws is None else dws.to(w_dtype)), act_w, dgu
 
 
-# CUDA compute capabilities where the Triton grouped matmuls beat torch's at the sizes measured
-# (BENCHMARKS.md#moe-grouped-mm); elsewhere torch's grouped kernel serves (its loop where it has none)
+# CUDA compute capabilities where the experts op ran faster with the Triton grouped matmuls than with torch's, alone
+# and in the training step (the H200: BENCHMARKS.md#moe-grouped-mm); elsewhere torch's grouped kernel serves (its
+# loop where it has none)
 TRITON_MM_CAPABILITIES = ((9, 0),)
 
 

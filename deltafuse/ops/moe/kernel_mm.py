@@ -11,12 +11,14 @@ The number of slots is bounded from the shapes alone: sum_e ceil(c_e / BM) <= (S
 launch needs no value read back from the GPU and a CUDA graph can capture it. One program computes one
 [BM, BN] output tile with an fp32 accumulator over the whole K and rounds it once to the output dtype, as
 torch's grouped matmul does. Programs run tile-slot major, output-column block minor: the tiles of one expert
-are neighbours in launch order, so its weight blocks are read from memory about once and then from L2.
+are neighbours in launch order, so that the second read of an expert's weight block (its next row tile) can come
+from L2.
 
-At Qwen3.5-35B-A3B sizes (4,096 tokens, top-8, 256 experts: about 128 rows per expert) the matmuls read each
-expert's weights for few rows, so the time is mostly the weights' bytes. torch's grouped kernel (CUTLASS) takes
-a full second tile of rows for the experts just over 128 rows. Where this kernel serves is decided in
-``kernel.py`` from measurements (BENCHMARKS.md).
+At Qwen3.5-35B-A3B sizes (4,096 tokens, top-8, 256 experts: about 128 rows per expert) each expert's weights are
+read for few rows, and the bytes of the weights bound the time more than the arithmetic. On the H200 this kernel
+took 0.77-0.86x the time of torch's grouped kernel at 4,096 tokens (0.65-0.78x, the gather included, for the two
+matmuls that gather); at 16,384 tokens 0.96-1.10x for the two that do not and 0.70-0.99x for the two that do.
+Where it serves is decided in ``kernel.py`` (BENCHMARKS.md#moe-grouped-mm).
 """
 
 from __future__ import annotations
@@ -28,9 +30,6 @@ import triton
 import triton.language as tl
 
 from deltafuse.config import triton_interpreting
-
-_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
 
 @dataclass(frozen=True)
 class MMConfig:

@@ -87,7 +87,7 @@ def _tile_map_kernel(OFFS, TILE_E, TILE_ROW, E, SLOTS, BM: tl.constexpr, EB: tl.
 def tile_map(offs: torch.Tensor, n_rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert, first sorted row) of every tile slot, for experts whose sorted rows end at ``offs`` ([E],
     cumulative, int32) over ``n_rows`` rows: [slots] int32 each (``tile_slots``), expert -1 past the last tile.
-    One Triton program on the device (``tile_map_torch`` computes the same in torch ops)."""
+    One Triton program on the device."""
     E = offs.numel()
     slots = tile_slots(n_rows, E, bm)
     expert = torch.empty(slots, device=offs.device, dtype=torch.int32)
@@ -97,22 +97,6 @@ def tile_map(offs: torch.Tensor, n_rows: int, bm: int) -> tuple[torch.Tensor, to
         _tile_map_kernel[(1,)](offs.to(torch.int32).contiguous(), expert, first, E, slots, BM=bm, EB=eb,
                                SB=max(16, min(128, 8192 // eb)), num_warps=1 if triton_interpreting() else 4)
     return expert, first
-
-
-def tile_map_torch(offs: torch.Tensor, n_rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``tile_map`` in torch ops (about a dozen small kernels): the reference its tests compare against."""
-    E = offs.numel()
-    ends = offs.to(torch.int64)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    tiles = (counts + bm - 1) // bm
-    tile_end = torch.cumsum(tiles, 0)
-    slots = tile_slots(n_rows, E, bm)
-    t = torch.arange(slots, device=offs.device, dtype=torch.int64)
-    e = torch.searchsorted(tile_end, t, right=True)
-    ec = e.clamp(max=E - 1)
-    first = (ends - counts)[ec] + (t - (tile_end - tiles)[ec]) * bm
-    valid = e < E
-    return torch.where(valid, ec, -1).to(torch.int32), torch.where(valid, first, 0).to(torch.int32)
 
 
 @triton.jit

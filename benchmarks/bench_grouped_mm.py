@@ -60,6 +60,8 @@ def parse_args(argv=None):
         p.error(f"--configs must have five parts each (BMxBNxBKxWARPSxSTAGES), got {args.configs}")
     if any(t < 1 for t in args.tokens):
         p.error(f"--tokens must all be >= 1, got {args.tokens}")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (torch.cuda.is_available() is False); the CPU tests cover the kernel interpreted")
     return args
 
 

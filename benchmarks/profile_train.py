@@ -195,7 +195,19 @@ def main(argv=None) -> int:
     p.add_argument("--moe-matmuls", choices=["auto", "torch"], default="auto",
                    help="torch: the Triton experts candidate keeps torch's grouped matmuls on every device (an A/B "
                         "of its Triton grouped matmuls inside the step; default: auto, the candidate's own choice)")
+    p.add_argument("--gdn-options", default="", metavar="FIELD=VALUE,...",
+                   help="ChunkOptions overrides for every chunked GDN call of the run (as tune_gdn.py --variants "
+                        "takes them, e.g. fwd_fused=false), for an A/B of GDN kernel options inside the step")
     args = p.parse_args(ours)
+    from deltafuse.ops.gated_delta import chunk_options
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from tune_gdn import parse_variant
+
+    try:
+        gdn_options = parse_variant(args.gdn_options)
+    except ValueError as e:
+        p.error(f"--gdn-options {args.gdn_options!r}: {e}")
     if args.moe_matmuls == "torch":
         from deltafuse.ops.moe import kernel as moe_kernel
 
@@ -207,7 +219,8 @@ def main(argv=None) -> int:
     RECORD_SHAPES = args.by_shape
     from deltafuse.bench.impls import lifted_fla_hopper_guard
 
-    with lifted_fla_hopper_guard(args.fla_lift_hopper_guard), _forcing(forced):
+    with lifted_fla_hopper_guard(args.fla_lift_hopper_guard), _forcing(forced), \
+            chunk_options.configured(gdn_options):
         return _run(args, train_argv)
 
 

@@ -52,16 +52,26 @@ TOL = {"o": 3e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 1e-2, "dbeta": 1e-2}
 
 
 def parse_variant(spec: str) -> chunk_mod.ChunkOptions:
+    """``ChunkOptions`` from "field=value,..." overrides of the defaults; ValueError names a bad field or value."""
     base = chunk_mod.DEFAULT_OPTIONS
     over = {}
     for kv in filter(None, spec.split(",")):
         key, _, val = kv.partition("=")
         if not hasattr(base, key):
-            raise SystemExit(f"--variants: {key!r} is not a ChunkOptions field; allowed: "
+            raise ValueError(f"{key!r} is not a ChunkOptions field; allowed: "
                              f"{', '.join(f.name for f in dataclasses.fields(base))}")
         old = getattr(base, key)
-        over[key] = (val in ("1", "true", "True")) if isinstance(old, bool) else (
-            int(val) if isinstance(old, int) else val)
+        if isinstance(old, bool):
+            if val.lower() not in ("1", "true", "0", "false"):
+                raise ValueError(f"{key}={val!r}; allowed: true, false, 1, 0")
+            over[key] = val.lower() in ("1", "true")
+        elif isinstance(old, int):
+            try:
+                over[key] = int(val)
+            except ValueError:
+                raise ValueError(f"{key}={val!r}; allowed: an int") from None
+        else:
+            over[key] = val
     return dataclasses.replace(base, **over)
 
 
@@ -106,7 +116,10 @@ def main():
     except (ValueError, AssertionError):
         raise SystemExit(f"--part must be i/n with 0 <= i < n, got {args.part!r}") from None
     specs = specs[i::n]
-    opts = [parse_variant(s) for s in specs]  # every spec checked before the GPU work starts
+    try:
+        opts = [parse_variant(s) for s in specs]  # every spec checked before the GPU work starts
+    except ValueError as e:
+        ap.error(f"--variants: {e}")
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(j)] for j in args.shapes.split(",")]
     oracle = Oracle(tuple(int(x) for x in args.check_shape.split(",")))
     result = {"stack": stack(), "check_shape": args.check_shape, "variants": []}

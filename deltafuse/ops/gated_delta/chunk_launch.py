@@ -371,7 +371,9 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
                                  **common, num_warps=cfg.nw["dvl"], num_stages=stages(opts.stages_dvl))
     cfg.mark("dv_local")
     dhs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
-    dvn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+    # the full dv' is written over its in-chunk part (same dtype and layout; each program of the reverse pass
+    # reads its dv_local tile before writing the same elements): one [tokens, HV, V] buffer less at the peak
+    dvn = dvl
     dh0 = torch.empty(plan.N, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
     bv_sbwd = min(max(16, triton.next_power_of_2(V)), 16 if interp else opts.bv_sbwd)
     # fp32 states in the reverse pass need the shared memory that load pipelining would take
@@ -381,7 +383,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
         plan.coff, scale, BV=bv_sbwd, HAS_DHT=dht is not None, STORE_DH0=need_dh0, X2=cfg.X2, **common,
         num_warps=warps(opts.warps_sbwd), num_stages=stages_sbwd)
     cfg.mark("state_bwd")
-    del w, dvl
+    del w, dvl  # (dvl is dvn now)
     dv = torch.empty_like(v)
     dg = torch.empty(g.shape, device=dev, dtype=g.dtype)
     db = torch.empty(beta.shape, device=dev, dtype=beta.dtype)

@@ -384,7 +384,9 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
         num_warps=warps(opts.warps_sbwd), num_stages=stages_sbwd)
     cfg.mark("state_bwd")
     del w, dvl  # (dvl is dvn now)
-    dv = torch.empty_like(v)
+    # dv is written over dv' where their dtypes agree (each _bwd_wy program reads a dv' tile before writing the
+    # same elements of dv; nothing reads dv' after it): one [tokens, HV, V] buffer less at that kernel
+    dv = dvn if dvn.dtype == v.dtype else torch.empty_like(v)
     dg = torch.empty(g.shape, device=dev, dtype=g.dtype)
     db = torch.empty(beta.shape, device=dev, dtype=beta.dtype)
     # this chunk's parts of dA_log and d dt_bias ([NC, HV], written by _bwd_out when the gate is in the kernel)

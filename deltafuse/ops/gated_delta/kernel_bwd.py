@@ -98,6 +98,8 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
                cu_ptr, coff_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, HAS_DHT: tl.constexpr,
                STORE_DH0: tl.constexpr, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """The reverse pass: dh at every chunk end into ``dhs``, the full dv' into ``dvn`` (which may be ``dvl``: each
+    program reads a chunk's dv_local tile before it writes the same elements) and the initial-state gradient."""
     pid_v, n, hv, h, bos, eos, coff, nt = sequence_program(cu_ptr, coff_ptr, H, HV, V, BV)
     ck, cv, mkv, state_off, dst = state_tile(dht_ptr, n, hv, pid_v, HAS_DHT, HV, K, V, BK, BV)
     for i in range(nt):
@@ -127,7 +129,8 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
             MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, BSIG: tl.constexpr):
     """Back through v' = u - w h, w = T diag(beta exp(gc)) khat, u = T diag(beta) v and T = (I + A)^-1:
     dv and dbeta (complete; with BSIG beta holds logits and db is theirs), the WY part of dgc and the WY part of
-    dkhat, which starts this value head's dk partial (``dkp``; ``_bwd_out`` adds the rest)."""
+    dkhat, which starts this value head's dk partial (``dkp``; ``_bwd_out`` adds the rest). ``dv_ptr`` may be
+    ``dvn_ptr``: each V block of dv' is read before the same elements of dv are written, and not read again."""
     # one grid axis, value heads fastest: the value heads of one q/k head read the same k rows back to back
     pid = tl.program_id(0)
     hv = pid % HV

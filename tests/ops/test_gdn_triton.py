@@ -405,14 +405,11 @@ def test_fwd_v2_fp32(shape, opts):
 
 @pytest.mark.parametrize("options", [
     # several V blocks in the state pass and the output kernel, two K blocks in the output kernel
-    chunk_mod.ChunkOptions(fwd_fused=False, bv_hfwd=16, bv_out=16, bk_out=16),
+    chunk_mod.ChunkOptions(bv_hfwd=16, bv_out=16, bk_out=16),
     # one V block in the state pass, two in the output kernel, one K block
-    chunk_mod.ChunkOptions(fwd_fused=False, bv_hfwd=64, bv_out=16, bk_out=64, warps_hfwd=2, warps_out=8,
-                           stages_hfwd=3, stages_out=1),
-    # the pass with the output inside it: two V blocks, then one
-    chunk_mod.ChunkOptions(bv_fused=16),
-    chunk_mod.ChunkOptions(bv_fused=64, warps_fused=8, stages_fused=3),
-], ids=["small_tiles", "mixed_tiles", "fused_small_tiles", "fused_one_tile"])
+    chunk_mod.ChunkOptions(bv_hfwd=64, bv_out=16, bk_out=64, warps_hfwd=2, warps_out=8, stages_hfwd=3,
+                           stages_out=1),
+], ids=["small_tiles", "mixed_tiles"])
 def test_fwd_v2_tilings(options):
     """K = V = 32 with tiles of 16 and 32: every element of o and of the final state is written, whatever the
     tiling (grouped heads, lengths 1, 64 and 65, initial state)."""
@@ -531,81 +528,6 @@ def test_fwd_v2_output_kernel(store, qh, sv):
         assert err <= 2e-6 and rel_max(o, ref) <= 2e-5, err
 
 
-FUSED_CASES = [
-    # id, (B, T, H, HV, K, V), keyword arguments of make_inputs / the call
-    ("varlen_1_63_64_65_gqa", (1, 193, 1, 2, 32, 32), dict(h0=True, l2=True, cu=[0, 1, 64, 128, 193])),
-    ("B2_nol2_noh0", (2, 70, 2, 2, 16, 32), dict(h0=False, l2=False)),
-    ("G4_nofinal", (1, 130, 1, 4, 16, 16), dict(h0=True, l2=True, with_final=False)),
-]
-
-
-@pytest.mark.parametrize("dtype,over", [
-    (torch.float32, dict()),
-    (torch.float16, dict()),
-    (torch.float16, dict(fwd_prod_wh="x2", fwd_prod_sv="16")),
-    (torch.float16, dict(fwd_store="fp32", fwd_prod_qh="tf32")),
-], ids=["fp32", "fp16", "fp16-wh_x2-sv_16", "fp16-fp32_store"])
-@pytest.mark.parametrize("shape,kw", [c[1:] for c in FUSED_CASES], ids=[c[0] for c in FUSED_CASES])
-def test_fwd_fused_matches_the_separate_kernels(dtype, over, shape, kw):
-    """The pass with the output inside it (``fwd_fused``) computes what the separate pass and output kernel do,
-    with the same products and roundings: o and the final state bit-equal to theirs in the interpreter (which
-    sums in one order), within accumulation-order noise on a GPU (every element), and both within bounds of the
-    float64 oracle. V spans two tiles of 16 where V = 32."""
-    kw = dict(kw)
-    with_final = kw.pop("with_final", True)
-    xs, cu_t = make_inputs(*shape, dtype=dtype, **kw)
-    K = shape[4]
-    runs = {}
-    for fused in (True, False):
-        opts = chunk_mod.ChunkOptions(fwd_fused=fused, bv_fused=16, bv_hfwd=16, bv_out=16, **over)
-        seen = []
-        with torch.no_grad():
-            runs[fused] = chunk_gated_delta_rule_triton(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], K**-0.5,
-                                                        xs.get("initial_state"), with_final, kw["l2"], cu_t,
-                                                        options=opts, stage_hook=seen.append)
-        # (no l2norm stage without the in-kernel l2norm)
-        assert seen == (["l2norm", "intra", "state_out"] if fused else ["l2norm", "intra", "state", "out"])[
-            0 if kw["l2"] else 1:], seen
-    ref = {n: x.double() for n, x in xs.items()}
-    ro, rht = naive_gated_delta_rule(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], K**-0.5,
-                                     ref.get("initial_state"), with_final, kw["l2"], cu_t)
-    (o, ht), (so, sht) = runs[True], runs[False]
-    assert o.dtype == dtype and torch.isfinite(o).all()
-    if INTERPRETED:
-        assert torch.equal(o, so) and (not with_final or torch.equal(ht, sht))
-    # on a GPU the same arithmetic in another order: fp32 to about 1e-6; 16-bit o to within its rounding
-    same = 2e-6 if dtype == torch.float32 else 1e-3
-    assert rel_rms(o, so) <= same and rel_max(o, so) <= 10 * same, (rel_rms(o, so), rel_max(o, so))
-    oracle = FP32_TOL if dtype == torch.float32 else 3e-3
-    assert rel_rms(o, ro) <= oracle and rel_max(o, ro) <= 20 * oracle
-    if with_final:
-        assert ht.dtype == torch.float32 and torch.isfinite(ht).all()
-        assert rel_rms(ht, sht) <= 2e-6 and rel_max(ht, sht) <= 2e-5
-        assert rel_rms(ht, rht) <= oracle and rel_max(ht, rht) <= 20 * oracle
-    else:
-        assert ht is None and sht is None
-
-
-def test_fwd_fused_empty_sequences_pass_the_state_through():
-    """Empty sequences (equal offsets) have no chunk: the fused pass returns their initial state as their final
-    state, and a row with no tokens at all gives an empty o."""
-    xs, _ = make_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32, h0=False, seed=5)
-    h0 = torch.randn(4, 2, 16, 16)
-    cu = torch.tensor([0, 0, 70, 70, 70], dtype=torch.int32)
-    o, ht = chunk_gated_delta_rule_triton(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], 0.25, h0, True, True, cu,
-                                          options=chunk_mod.ChunkOptions(fwd_fused=True))
-    for n in (0, 2, 3):
-        assert torch.equal(ht[n], h0[n]), n
-    so, sht = chunk_gated_delta_rule_triton(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], 0.25, h0, True, True,
-                                            cu, options=chunk_mod.ChunkOptions(fwd_fused=False))
-    assert rel_rms(o, so) <= 2e-6 and rel_rms(ht[1], sht[1]) <= 2e-6
-    e = torch.empty(1, 0, 1, 16)
-    o, ht = chunk_gated_delta_rule_triton(e, e, e.new_empty(1, 0, 2, 16), e.new_empty(1, 0, 2),
-                                          e.new_empty(1, 0, 2), 0.25, h0[:1], True, True,
-                                          options=chunk_mod.ChunkOptions(fwd_fused=True))
-    assert o.shape == (1, 0, 2, 16) and torch.equal(ht, h0[:1])
-
-
 @pytest.mark.parametrize("over", [dict(), dict(fwd_prod_wh="16", fwd_prod_kv="16", fwd_prod_sv="16")],
                          ids=["defaults", "all_16"])
 def test_fwd_v2_fp16(over):
@@ -655,18 +577,15 @@ def test_fwd_v2_keeps_only_the_inputs():
 # fp16 interpreter runs it is expected to take bf16 o over 3e-3)
 FWD_GPU_OPTIONS = [
     dict(),
-    dict(fwd_fused=False),
     dict(fwd_prod_wh="16", fwd_prod_kv="16"),
-    dict(fwd_prod_wh="x2"),
+    dict(fwd_prod_wh="16"),
     dict(fwd_prod_kv="16"),
-    dict(bv_fused=64, warps_fused=4, stages_fused=3),
-    dict(bv_fused=16, warps_fused=4, stages_fused=1),
-    dict(bv_fused=64, warps_fused=8, stages_fused=2),
-    dict(fwd_fused=False, bv_hfwd=64, warps_hfwd=4, stages_hfwd=3),
-    dict(fwd_fused=False, bv_hfwd=16, warps_hfwd=4, stages_hfwd=1),
-    dict(fwd_fused=False, bv_hfwd=32, warps_hfwd=2, stages_hfwd=4),
-    dict(fwd_fused=False, bv_out=128, bk_out=128, warps_out=8, stages_out=3),
-    dict(fwd_fused=False, bv_out=32, bk_out=64, warps_out=2, stages_out=1),
+    dict(bv_hfwd=64, warps_hfwd=4, stages_hfwd=3),
+    dict(bv_hfwd=16, warps_hfwd=4, stages_hfwd=1),
+    dict(bv_hfwd=32, warps_hfwd=2, stages_hfwd=4),
+    dict(bv_out=128, bk_out=128, warps_out=8, stages_out=3),
+    dict(bv_out=32, bk_out=64, warps_out=2, stages_out=1),
+    dict(bv_out=64, bk_out=128, warps_out=4, stages_out=2),
 ]
 FWD_GPU_CASES = [(o, 128, 128) for o in FWD_GPU_OPTIONS] + [(o, K, V) for o in FWD_GPU_OPTIONS[:2]
                                                              for K, V in ((16, 16), (64, 32))]
@@ -776,7 +695,7 @@ def test_backward_runs_with_the_forward_options_and_stage_hook():
                 o, ht = chunk_gated_delta_rule_triton(*args)
         else:
             o, ht = chunk_gated_delta_rule_triton(*args, options=a, stage_hook=seen_a.append)
-        assert seen_a == ["l2norm", "intra", "state_out"], how  # V2_BASE keeps the fused forward pass
+        assert seen_a == ["l2norm", "intra", "state", "out"], how
         del seen_a[:]
         with chunk_mod.configured(b, stage_hook=seen_b.append):
             assert chunk_mod.options_in_effect() is b
@@ -796,7 +715,8 @@ def test_bwd_v2_options_validated():
                                   ("prod_wy", "fp8", "'tf32', '16', 'x2'"),
                                   ("prod_bo", None, "'tf32', '16', 'x2'"),
                                   ("bt_red", 24, "a power of two"), ("warps_red", 0, "an int >= 1"),
-                                  ("bv_sbwd", 48, "a power of two"), ("stages_bo", True, "an int >= 1")]:
+                                  ("bv_sbwd", 48, "a power of two"), ("stages_bo", True, "an int >= 1"),
+                                  ("bo_two_pass", "yes", "True, False"), ("bwd_x2", 1, "True, False")]:
         with pytest.raises(ValueError, match=f"ChunkOptions.{field}={value!r}.*allowed: {allowed}"):
             chunk_mod.ChunkOptions(**{field: value})
     assert chunk_mod.ChunkOptions(stages_wy=3, stages_bo=3, stages_dvl=3, stages_sbwd=3).stages_wy == 3

@@ -20,7 +20,7 @@ from deltafuse.ops.gated_delta.chunk_options import INV_MODES, PROD_MODES, Chunk
 from deltafuse.ops.gated_delta.gates import NONE, Gates
 from deltafuse.ops.gated_delta.kernel_bwd import _bwd_out, _bwd_reduce, _bwd_wy, _dv_local, _state_bwd
 from deltafuse.ops.gated_delta.kernel_fwd import _intra_fwd, _l2norm_rstd, _state_fwd
-from deltafuse.ops.gated_delta.kernel_out import _out_fwd, _state_out_fwd
+from deltafuse.ops.gated_delta.kernel_out import _out_fwd
 
 BT = 64  # chunk length; the in-chunk inverse (kernel_fwd._unit_lower_inverse) is written for 4 blocks of 16
 
@@ -235,10 +235,6 @@ class ForwardConfig:
         self.nw_out = 1 if interp else (min(2, opts.warps_out) if small else opts.warps_out)
         self.stages_state = 1 if interp else opts.stages_hfwd
         self.stages_out = 1 if interp else opts.stages_out
-        self.fused = opts.fwd_fused
-        self.bv_fused = min(vmax, opts.bv_fused)
-        self.nw_fused = 1 if interp else (min(2, opts.warps_fused) if small else opts.warps_fused)
-        self.stages_fused = 1 if interp else opts.stages_fused
         mode = {n: 0 if full else PROD_MODES[getattr(opts, "fwd_prod_" + n)] for n in ("wh", "kv", "qh", "sv")}
         self.WH, self.KV, self.QH, self.SV = mode["wh"], mode["kv"], mode["qh"], mode["sv"]
 
@@ -291,20 +287,6 @@ def output(q, k, rq, rk, gc, hs, vn, o, plan, scale, cfg, fc, L2):
     return o
 
 
-def state_output(q, k, rq, rk, w, u, gc, h0, o, ht, plan, scale, cfg, fc, L2):
-    """The sequential pass with the output formed inside it (``_state_out_fwd``): o written into ``o``, the final
-    state into ``ht`` (when not None); no chunk state or v' is stored."""
-    TT, H, K = q.shape
-    HV, V = u.shape[-2:]
-    _state_out_fwd[(triton.cdiv(V, fc.bv_fused) * plan.N * HV,)](
-        q, k, rq if L2 else gc, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, o,
-        ht if ht is not None else gc, plan.cu, plan.coff, scale, H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=fc.bv_fused,
-        L2=L2, HAS_H0=h0 is not None, STORE_HT=ht is not None, S16=cfg.store != torch.float32, WH=fc.WH, KV=fc.KV,
-        QH=fc.QH, SV=fc.SV, PREC=cfg.PREC, DT=cfg.DT, num_warps=fc.nw_fused, num_stages=fc.stages_fused)
-    cfg.mark("state_out")
-    return o
-
-
 def forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan, options: ChunkOptions,
             stage_hook: StageHook | None = None, gates: Gates = NONE):
     """o (and the final state when ``want_ht``) of the flattened inputs, with ``options``; with ``gates`` g and
@@ -314,12 +296,8 @@ def forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan, options: ChunkOption
     cfg, fc = configs(q.dtype, K, V, "fwd", options, stage_hook)
     rq, rk = _rstd(q, k, L2, cfg)
     gc, w, u, _ = prepare(k, rk, v, g, beta, plan, cfg, L2, False, gates)
-    ht = torch.empty(plan.N, HV, K, V, device=q.device, dtype=torch.float32) if want_ht else None
-    if fc.fused:
-        o = state_output(q, k, rq, rk, w, u, gc, h0, torch.empty(TT, HV, V, device=q.device, dtype=q.dtype), ht,
-                         plan, scale, cfg, fc, L2)
-        return o, ht
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=q.device, dtype=cfg.store)
+    ht = torch.empty(plan.N, HV, K, V, device=q.device, dtype=torch.float32) if want_ht else None
     # v' is written over u (same dtype and layout; each program reads its u tile before writing it)
     state_pass(k, rk, w, u, gc, h0, hs, u, ht, plan, cfg, fc, L2)
     del w

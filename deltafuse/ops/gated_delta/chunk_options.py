@@ -32,12 +32,12 @@ class ChunkOptions:
     ``bv_<kernel>`` / ``warps_<kernel>``: value-tile width and warps per kernel; ``stages``: pipeline stages.
 
     Forward kernels (the forward's sequential pass ``hfwd``, which the backward recomputes with the same settings,
-    and its output kernel ``out``, or the two in one kernel ``fused`` with ``fwd_fused``): ``fwd_prod_<p>``: how
-    a product of a 16-bit operand with an fp32 one is computed: "x2" (the fp32 operand split into two 16-bit
-    parts), "16" (rounded to 16 bits, one product) or "tf32" (one tf32 product); p is ``wh`` (w times the state,
-    for v'), ``kv`` (k^T times the decayed v', the state update), ``qh`` (q times the stored state, when states
-    are stored in fp32: 16-bit states make it exact) and ``sv`` (the in-chunk scores times v'). With fp32
-    inputs (or an fp32-stored operand) every product is an fp32 one. ``bk_out``: K block of the output kernel;
+    and its output kernel ``out``): ``fwd_prod_<p>``: how a product of
+    a 16-bit operand with an fp32 one is computed: "x2" (the fp32 operand split into two 16-bit parts), "16"
+    (rounded to 16 bits, one product) or "tf32" (one tf32 product); p is ``wh`` (w times the state, for v'),
+    ``kv`` (k^T times the decayed v', the state update), ``qh`` (q times the stored state, when states are
+    stored in fp32: 16-bit states make it exact) and ``sv`` (the in-chunk scores times v'). With fp32 inputs
+    (or an fp32-stored operand) every product is an fp32 one. ``bk_out``: K block of the output kernel;
     ``stages_<kernel>``: its pipeline stages. In the interpreter warps and stages are 1 and tile widths are
     capped at the head size.
     """
@@ -70,13 +70,6 @@ class ChunkOptions:
     bk_out: int = 128
     warps_out: int = 4
     stages_out: int = 2
-    # fwd_fused: the forward's sequential pass forms the output itself (kernel_out._state_out_fwd, tiles
-    # bv_fused / warps_fused / stages_fused): no chunk states or v' are written, and no output kernel runs. The
-    # same products as the separate pass and output kernel; the backward recomputes the states either way.
-    fwd_fused: bool = True
-    bv_fused: int = 32
-    warps_fused: int = 4
-    stages_fused: int = 2
     # backward kernels
     # bwd_partials: dtype of the per-value-head dq / dk partials that _bwd_out writes and _bwd_reduce sums when
     # several value heads share a q/k head: "fp32" or "input" (the inputs' 16-bit dtype: half the bytes).

@@ -13,23 +13,19 @@ It is evaluated over chunks of ``BT = 64`` tokens (the WY / UT-transform form). 
     o  = scale ((q exp(gc)) h + lower_incl(q k^T o D) v')
     h_next = exp(gc_last) h + (k exp(gc_last - gc))^T v'
 
-Kernels (grid axes in brackets; ``_l2norm_rstd``, ``_intra_fwd`` and ``_state_fwd`` in ``kernel_fwd.py``,
-``_state_out_fwd`` and ``_out_fwd`` in ``kernel_out.py``, the others in ``kernel_bwd.py``; their launches in
-``chunk_launch.py``, their tunables in ``chunk_options.py``):
+Kernels (grid axes in brackets; the first three in ``kernel_fwd.py``, ``_out_fwd`` in ``kernel_out.py``, the
+others in ``kernel_bwd.py``; their launches in ``chunk_launch.py``, their tunables in ``chunk_options.py``):
 
 * ``_l2norm_rstd`` [token block, q/k head]: the l2norm factors rsqrt(|x|^2 + eps) of q and k rows. The
   other kernels read q and k as given and apply these factors to their products, so normalised rows are
   never rounded to 16 bits or stored.
 * ``_intra_fwd``   [chunk, value head]: gc, A, T, w, u (and T itself for the backward).
-* ``_state_out_fwd`` [V block x sequence x value head, one axis]: the forward (``ChunkOptions.fwd_fused``, the
-  default): the sequential pass over chunks with the state in fp32 registers, each chunk's output
-  o = scale ((q exp(gc)) h + lower_incl(q k^T o D) v') formed from that state, and the final state. Neither
-  the chunk states nor v' are written; nothing but the inputs is kept for the backward.
-* ``_state_fwd``   [V block x sequence x value head, one axis]: the same pass storing the chunk-start states
-  (``hs``) and v' instead of the output. The backward's recompute runs it (and the forward, without
-  ``fwd_fused``, writing v' over u).
-* ``_out_fwd``     [V block x value head x chunk, one axis]: the output of every chunk at once from the stored
-  ``hs`` and v' (the forward without ``fwd_fused``, which frees them once o is written).
+* ``_state_fwd``   [V block x sequence x value head, one axis]: the sequential pass over chunks with the state in
+  fp32 registers; stores the chunk-start states (``hs``) and v' (the forward writes v' over u), and the final
+  state. The forward and the backward's recompute both run it.
+* ``_out_fwd``     [V block x value head x chunk, one axis]: the output, every chunk at once from the stored
+  ``hs`` and v': o = scale ((q exp(gc)) h + lower_incl(q k^T o D) v'). The forward frees ``hs`` and v'
+  once o is written; nothing but the inputs is kept for the backward.
 * ``_dv_local``    [chunk, value head]: the intra-chunk part of dv', scale lower_incl(q k^T o D)^T do.
 * ``_state_bwd``   [V block x sequence x value head, one axis]: the reverse pass; stores the gradient of the
   state at every chunk end (``dhs``), the full gradient of v' (``dvn``) and the initial-state gradient.

@@ -647,6 +647,8 @@ V2_BASE = dict(bwd_partials="fp32", prod_wy="x2", prod_bo="x2")  # split product
 V2_SWITCHES = [
     dict(bwd_partials="input", prod_wy="16", prod_bo="16"),  # the defaults
     dict(prod_wy="tf32", prod_bo="tf32", bo_two_pass=True),
+    # fp32 intermediates (interpreter only: refused on a GPU): dv' in fp32, so dv gets its own fp16 buffer
+    dict(bwd_store="fp32"),
 ]
 
 

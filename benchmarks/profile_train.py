@@ -197,7 +197,7 @@ def main(argv=None) -> int:
                         "of its Triton grouped matmuls inside the step; default: auto, the candidate's own choice)")
     p.add_argument("--gdn-options", default="", metavar="FIELD=VALUE,...",
                    help="ChunkOptions overrides for every chunked GDN call of the run (as tune_gdn.py --variants "
-                        "takes them, e.g. fwd_fused=false), for an A/B of GDN kernel options inside the step")
+                        "takes them, e.g. bv_hfwd=64,warps_hfwd=8), for an A/B of GDN kernel options inside the step")
     args = p.parse_args(ours)
     from deltafuse.ops.gated_delta import chunk_options
 

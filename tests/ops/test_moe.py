@@ -114,7 +114,6 @@ def test_routing_plan_orders_slots_by_expert_stably(E, k, n):
     assert plan.offs.dtype == torch.int32
     assert plan.offs.cpu().tolist() == torch.cumsum(torch.bincount(flat, minlength=E), 0).tolist()
     assert torch.equal(plan.token.cpu(), torch.tensor(want) // k)
-    assert torch.equal(plan.perm[plan.inverse()].cpu(), plan.perm.cpu()[plan.inverse().cpu()])
     assert torch.equal(plan.inverse().cpu()[torch.tensor(want)], torch.arange(flat.numel()))
 
 

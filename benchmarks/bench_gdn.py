@@ -6,7 +6,9 @@ time and peak memory, for the HF torch fallback, FLA and deltafuse's Triton kern
 Correctness: relative RMS error vs the float64 step-by-step oracle at a small shape, for o and for each
 gradient (random upstream gradient). Timing: median of ``triton.testing.do_bench`` after warm-up, on
 random non-zero bf16 data, with use_qk_l2norm_in_kernel=True. Memory: peak allocated during one
-forward+backward minus what was allocated before it (inputs and upstream gradient excluded).
+forward+backward minus what was allocated before it (inputs and upstream gradient excluded; the gradients it
+produces included: up to session 18 the base still held the warm-up call's gradients, so the figures of those
+runs are lower by about their size).
 
 Packed rows (``--packed``): one row of ``--packed-tokens`` tokens cut into many sequences (cu_seqlens):
 one sequence, all of length 1, lengths uniform in 1..16, and a mix of long and short; each implementation's
@@ -225,12 +227,12 @@ def timing(fn, shape, rep_ms, seed=0, cu=None):
         torch.autograd.backward(o, do)
 
     fwdbwd()  # warm-up / compile / autotune
+    for x in xs:  # freed before the base is read: the measured call's gradients count in its peak
+        x.grad = None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    for x in xs:
-        x.grad = None
     fwdbwd()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base

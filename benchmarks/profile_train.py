@@ -201,13 +201,15 @@ def main(argv=None) -> int:
     args = p.parse_args(ours)
     from deltafuse.ops.gated_delta import chunk_options
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from tune_gdn import parse_variant
+    gdn_options = None  # the defaults in effect
+    if args.gdn_options:  # (tune_gdn's parser imports the GDN benchmark and Triton: only when asked for)
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from tune_gdn import parse_variant
 
-    try:
-        gdn_options = parse_variant(args.gdn_options)
-    except ValueError as e:
-        p.error(f"--gdn-options {args.gdn_options!r}: {e}")
+        try:
+            gdn_options = parse_variant(args.gdn_options)
+        except ValueError as e:
+            p.error(f"--gdn-options {args.gdn_options!r}: {e}")
     if args.moe_matmuls == "torch":
         from deltafuse.ops.moe import kernel as moe_kernel
 

@@ -898,3 +898,49 @@ def test_intra_options_bf16_gpu(inv, prod, K):
     with chunk_mod.configured(chunk_mod.ChunkOptions(intra_inv=inv, intra_prod=prod)):
         check_chunk(1, 1000, 4, 8, K, K, dtype=torch.bfloat16, **BF16, h0=True, l2=True,
                     cu=[0, 1, 64, 65, 300, 301, 1000])
+
+
+# id, (B, T, H, HV, K, V), options: partial last chunks, a one-token sequence, grouped heads, no l2norm, K != V
+RECOMPUTE_T_CASES = [
+    ("varlen_gqa", (1, 130, 1, 2, 16, 16), dict(h0=True, l2=True, cu=[0, 1, 65, 130])),
+    ("B2_T70_nol2_K32", (2, 70, 2, 2, 32, 16), dict(h0=False, l2=False)),
+    ("T64_G2_V32", (1, 64, 1, 2, 16, 32), dict(h0=True, l2=True)),
+]
+
+
+@pytest.mark.parametrize("inv", ["recursive", "subst"])
+@pytest.mark.parametrize("shape,opts", [c[1:] for c in RECOMPUTE_T_CASES], ids=[c[0] for c in RECOMPUTE_T_CASES])
+def test_wy_recompute_t_fp32(shape, opts, inv):
+    """wy_recompute_t (_bwd_wy inverts its chunk's matrix itself, in reversed rows, instead of reading the stored
+    T): every output and gradient within the fp32 bound of float64; on one more draw, dk not bit-equal to that of
+    the stored T (the switch took effect: the two inverses round differently)."""
+    recompute = chunk_mod.ChunkOptions(intra_inv=inv, wy_recompute_t=True)
+    with chunk_mod.configured(recompute):
+        check_chunk(*shape, dtype=torch.float32, tol_o=FP32_TOL, tol_grad=FP32_TOL, tol_gb=FP32_TOL, **opts)
+    B, T, H, HV, K, V = shape
+    xs, cu_t = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, h0=True, cu=opts.get("cu"), l2=opts["l2"])
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
+    dht = torch.randn(xs["initial_state"].shape, generator=gen, dtype=torch.float64)
+    stored = _v2_grads(xs, cu_t, do, dht, opts["l2"], chunk_mod.ChunkOptions(intra_inv=inv))
+    assert not torch.equal(_v2_grads(xs, cu_t, do, dht, opts["l2"], recompute)["k"], stored["k"])
+
+
+@pytest.mark.parametrize("G,l2", [(2, True), (1, False)], ids=["G2_l2", "G1_nol2"])
+def test_wy_recompute_t_fp16(G, l2):
+    """wy_recompute_t on fp16 inputs with the default 16-bit paths: every gradient within 2e-3 of float64 (dg and
+    dbeta within 5e-3, as test_intra_options_fp16 says why)."""
+    H = 1 if G == 2 else 2
+    with chunk_mod.configured(chunk_mod.ChunkOptions(wy_recompute_t=True)):
+        check_chunk(1, 130, H, H * G, 16, 16, dtype=torch.float16, tol_o=2e-3, tol_grad=2e-3, tol_gb=5e-3,
+                    h0=True, l2=l2, cu=[0, 1, 65, 130])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape,opts", [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])
+def test_wy_recompute_t_bf16_gpu(shape, opts):
+    """wy_recompute_t compiled for the GPU on the Qwen3.5 shapes of test_chunk_bf16_gpu, forward and backward in
+    bf16 against the float64 oracle (a configuration that fails here must not become a default)."""
+    with chunk_mod.configured(chunk_mod.ChunkOptions(wy_recompute_t=True)):
+        check_chunk(*shape, dtype=torch.bfloat16, **BF16, **opts)

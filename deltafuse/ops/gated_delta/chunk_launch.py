@@ -335,7 +335,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
 
     common = dict(H=H, HV=HV, K=K, V=V, BK=cfg.BK, L2=L2, PREC=cfg.PREC, DT=cfg.DT)
     rq, rk = _rstd(q, k, L2, cfg)
-    gc, w, u, tinv = prepare(k, rk, v, g, beta, plan, cfg, L2, True, gates)
+    gc, w, u, tinv = prepare(k, rk, v, g, beta, plan, cfg, L2, not opts.wy_recompute_t, gates)
     rq, rk = (rq, rk) if L2 else (gc, gc)
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
     vn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
@@ -385,8 +385,9 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     part_dtype = torch.float32 if (full or opts.bwd_partials == "fp32") else q.dtype
     dgc = torch.empty(TT, HV, device=dev, dtype=torch.float32)
     dkp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
-    _bwd_wy[(plan.NC * HV,)](k, rk, v, beta, gc, tinv, hs, dvn, dv, db, dgc, dkp, plan.chunks, BV=cfg.bv["wy"],
-                             MODE=mode("prod_wy"), BSIG=gates.beta_sigmoid, **common, num_warps=cfg.nw["wy"],
+    _bwd_wy[(plan.NC * HV,)](k, rk, v, beta, gc, gc if tinv is None else tinv, hs, dvn, dv, db, dgc, dkp,
+                             plan.chunks, BV=cfg.bv["wy"], MODE=mode("prod_wy"), BSIG=gates.beta_sigmoid,
+                             RECOMP_T=opts.wy_recompute_t, INV=cfg.INV, **common, num_warps=cfg.nw["wy"],
                              num_stages=stages(opts.stages_wy))
     cfg.mark("bwd_wy")
     del dvn, tinv

@@ -78,10 +78,14 @@ class ChunkOptions:
     # other backward kernels follow bwd_x2. _state_bwd has its own tiles (bv_sbwd, warps_sbwd, stages_sbwd);
     # _bwd_reduce takes bt_red tokens per program. bo_two_pass: _bwd_out makes two passes over the value blocks
     # (dq, then dk): one [64, K] fp32 accumulator live instead of two, for one more read of v' and h.
+    # wy_recompute_t: _bwd_wy computes T = (I + A)^-1 itself instead of reading the one the backward's in-chunk
+    # kernel stored: one fp32 [tokens, HV, 64] buffer less through the reverse pass and _bwd_wy (0.5 GiB at
+    # 65,536 tokens x 32 value heads), for one more in-chunk inverse per chunk and value head.
     bwd_partials: str = "input"
     prod_wy: str = "16"
     prod_bo: str = "16"
     bo_two_pass: bool = False
+    wy_recompute_t: bool = False
     bv_sbwd: int = 32
     warps_sbwd: int = 4
     stages_sbwd: int = 2

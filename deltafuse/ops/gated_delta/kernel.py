@@ -19,7 +19,8 @@ others in ``kernel_bwd.py``; their launches in ``chunk_launch.py``, their tunabl
 * ``_l2norm_rstd`` [token block, q/k head]: the l2norm factors rsqrt(|x|^2 + eps) of q and k rows. The
   other kernels read q and k as given and apply these factors to their products, so normalised rows are
   never rounded to 16 bits or stored.
-* ``_intra_fwd``   [chunk, value head]: gc, A, T, w, u (and T itself for the backward).
+* ``_intra_fwd``   [chunk, value head]: gc, A, T, w, u (and T itself for the backward's ``_bwd_wy``, unless
+  ``ChunkOptions.wy_recompute_t`` has that kernel invert it again).
 * ``_state_fwd``   [V block x sequence x value head, one axis]: the sequential pass over chunks with the state in
   fp32 registers; stores the chunk-start states (``hs``) and v' (the forward writes v' over u), and the final
   state. The forward and the backward's recompute both run it.

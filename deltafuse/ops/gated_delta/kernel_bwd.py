@@ -9,8 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _rows, chunk_tokens, gate_terms,
-                                                sequence_program, sigmoid, state_chunk, state_tile)
+from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _rows, _unit_lower_inverse,
+                                                chunk_tokens, gate_terms, sequence_program, sigmoid, state_chunk,
+                                                state_tile)
 
 # --------------------------------------------------------------------------------------------------
 # backward device helpers
@@ -126,11 +127,20 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
 def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, dv_ptr, db_ptr, dgc_ptr, dkp_ptr,
             chunks_ptr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
             BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-            MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, BSIG: tl.constexpr):
+            MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, BSIG: tl.constexpr,
+            RECOMP_T: tl.constexpr, INV: tl.constexpr):
     """Back through v' = u - w h, w = T diag(beta exp(gc)) khat, u = T diag(beta) v and T = (I + A)^-1:
     dv and dbeta (complete; with BSIG beta holds logits and db is theirs), the WY part of dgc and the WY part of
     dkhat, which starts this value head's dk partial (``dkp``; ``_bwd_out`` adds the rest). ``dv_ptr`` may be
-    ``dvn_ptr``: each V block of dv' is read before the same elements of dv are written, and not read again."""
+    ``dvn_ptr``: each V block of dv' is read before the same elements of dv are written, and not read again.
+
+    T^T is the left operand of every product with T. Without RECOMP_T it is loaded from ``tinv`` (transposed by
+    swapped strides). With RECOMP_T it is computed here, and the program works on its chunk's tokens in reverse
+    order (row r holds token last - r): with P that reversal, P T^T P = (I + A')^-1 for the strictly lower
+    A' = (P A P)^T, A'_rj = beta_j (khat_r . khat_j) exp(gc_j - gc_r) (r > j, in the reversed rows), so the
+    forward's unit-lower inverse gives it in registers and no computed tile is ever transposed for a product.
+    Every other product and row reduction is the same in either order; only dA's triangle flips (strictly
+    upper in reversed rows). INV: that inverse's method (_unit_lower_inverse)."""
     # one grid axis, value heads fastest: the value heads of one q/k head read the same k rows back to back
     pid = tl.program_id(0)
     hv = pid % HV
@@ -140,6 +150,9 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     if start >= end:  # an empty row of a device-built chunk table (chunk_launch.DevicePlan)
         return
     rows = tl.arange(0, 64)
+    if RECOMP_T:
+        # the same valid rows (the chunk's first min(end - start, 64)), holding its tokens last to first
+        tok = tl.where(valid, start + tl.minimum(end - start, 64) - 1 - rows, start)
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
     k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
@@ -148,8 +161,13 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
     if BSIG:
         b = tl.where(valid, sigmoid(b), 0.0)
-    # T^T, transposed on load (swapped strides): no transpose of a tile in registers
-    Tt = tl.load(tinv_ptr + tok[None, :] * (HV * 64) + hv * 64 + rows[:, None], mask=valid[None, :], other=0.0)
+    kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
+    if RECOMP_T:
+        # (P T^T P) = (I + A')^-1; _chunk_decay of -gc is exp(gc_j - gc_r) below the diagonal
+        Tt = _unit_lower_inverse(kk * _chunk_decay(-gc, valid, True) * b[None, :], PREC, INV)
+    else:
+        # T^T, transposed on load (swapped strides): no transpose of a tile in registers
+        Tt = tl.load(tinv_ptr + tok[None, :] * (HV * 64) + hv * 64 + rows[:, None], mask=valid[None, :], other=0.0)
     dwa = tl.zeros([64, BK], dtype=tl.float32)
     dT = tl.zeros([64, 64], dtype=tl.float32)
     db = tl.zeros([64], dtype=tl.float32)
@@ -178,8 +196,11 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     dk = dx * beg[:, None]
     # dA = -T^T dT T^T on the strict lower triangle;  A = diag(beta) (khat khat^T o decay)
     dA = -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC)
-    dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0) * _chunk_decay(gc, valid, True)
-    kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
+    if RECOMP_T:  # reversed rows: A's strict lower triangle is the strict upper one, its decay exp(gc_r - gc_j)
+        up = (rows[:, None] < rows[None, :]) & valid[:, None] & valid[None, :]
+        dA = tl.where(up, dA * tl.exp(tl.where(up, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    else:
+        dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0) * _chunk_decay(gc, valid, True)
     dAk = dA * kk
     db += tl.sum(dAk, 1)
     qa = dAk * b[:, None]

@@ -95,12 +95,15 @@ def test_gate_and_beta_in_kernel_match_the_oracle(name, backend, with_bias):
 @pytest.mark.parametrize("gate,beta_sigmoid", [(True, False), (False, True), (True, True)],
                          ids=["gate", "beta_sigmoid", "both"])
 @pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
-def test_triton_chunk_computes_the_options_in_its_kernels(monkeypatch, gate, beta_sigmoid, packed):
+@pytest.mark.parametrize("group_loop", [False, True], ids=["per_value_head", "group_loop"])
+def test_triton_chunk_computes_the_options_in_its_kernels(monkeypatch, gate, beta_sigmoid, packed, group_loop):
     """The Triton chunk kernels take FLA's options themselves (the op hands them the raw inputs: the torch formulas
     never run) over several chunks per sequence, packed sequences (one of a single token) and an initial state,
     with raw gates from -30 to 30 (softplus past its x > 20 branch and deep in its tail): o, the final state and
-    every gradient against the float64 oracle."""
+    every gradient against the float64 oracle; with the backward's programs per value head (the default) and per
+    q/k head (ChunkOptions.bwd_group_loop, with wy_recompute_t)."""
     from deltafuse.ops.gated_delta import api
+    from deltafuse.ops.gated_delta import kernel as chunk_mod
 
     def no_torch_gates(*args):
         raise AssertionError("the gate options were computed in torch, not in the Triton kernels")
@@ -130,11 +133,13 @@ def test_triton_chunk_computes_the_options_in_its_kernels(monkeypatch, gate, bet
     ref = _grads(ro, rf, ref_leaves, do, dh)
     leaves = {n: t.float().requires_grad_() for n, t in x.items()}
     extra = dict(A_log=leaves["A_log"], dt_bias=leaves["dt_bias"]) if gate else {}
-    o, final = ops.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["a"], leaves["b"],
-                                          initial_state=leaves["h0"], output_final_state=True,
-                                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu, use_gate_in_kernel=gate,
-                                          use_beta_sigmoid_in_kernel=beta_sigmoid, backend="triton", **extra)
-    got = _grads(o, final, leaves, do, dh)
+    options = chunk_mod.ChunkOptions(bwd_group_loop=True, wy_recompute_t=True) if group_loop else None
+    with chunk_mod.configured(options):
+        o, final = ops.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["a"], leaves["b"],
+                                              initial_state=leaves["h0"], output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True, cu_seqlens=cu, use_gate_in_kernel=gate,
+                                              use_beta_sigmoid_in_kernel=beta_sigmoid, backend="triton", **extra)
+        got = _grads(o, final, leaves, do, dh)
     assert_rel_close(o, ro, 2e-5, "o")
     assert_rel_close(final, rf, 2e-5, "final state")
     for n in ("q", "k", "v", "a", "b", "h0"):

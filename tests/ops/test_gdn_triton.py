@@ -936,6 +936,48 @@ def test_wy_recompute_t_fp16(G, l2):
                     h0=True, l2=l2, cu=[0, 1, 65, 130])
 
 
+# id, (B, T, H, HV, K, V), options: groups of 2 and 4 value heads, partial chunks, packed, V over two tiles
+GROUP_LOOP_CASES = [
+    ("G2_varlen", (1, 130, 1, 2, 16, 16), dict(h0=True, l2=True, cu=[0, 1, 65, 130])),
+    ("G4_B2_V32_nol2", (2, 70, 1, 4, 16, 32), dict(h0=False, l2=False)),
+    ("G2_H2_K32", (1, 66, 2, 4, 32, 16), dict(h0=True, l2=True)),
+]
+GROUP_LOOP_OPTIONS = [dict(), dict(wy_recompute_t=True), dict(bo_two_pass=True)]
+
+
+@pytest.mark.parametrize("more", GROUP_LOOP_OPTIONS, ids=["alone", "recompute_t", "two_pass"])
+@pytest.mark.parametrize("shape,opts", [c[1:] for c in GROUP_LOOP_CASES], ids=[c[0] for c in GROUP_LOOP_CASES])
+def test_bwd_group_loop_fp32(shape, opts, more):
+    """bwd_group_loop (one program per chunk and q/k head runs its value heads in turn in _bwd_wy and _bwd_out,
+    which finishes dq and dk): every output and gradient within the fp32 bound of float64, and no _bwd_reduce
+    stage (the switch took effect)."""
+    stages = []
+    with chunk_mod.configured(chunk_mod.ChunkOptions(bwd_group_loop=True, **more), stage_hook=stages.append):
+        check_chunk(*shape, dtype=torch.float32, tol_o=FP32_TOL, tol_grad=FP32_TOL, tol_gb=FP32_TOL, **opts)
+    assert stages[-3:] == ["state_bwd", "bwd_wy", "bwd_out"], stages
+
+
+@pytest.mark.parametrize("partials", ["input", "fp32"])
+def test_bwd_group_loop_fp16(partials):
+    """bwd_group_loop on fp16 inputs with 16-bit dk partials (dk written over them) and with fp32 ones (dk in its own
+    buffer), with wy_recompute_t: every gradient within 2e-3 of float64 (dg and dbeta within 5e-3, as
+    test_intra_options_fp16 says why)."""
+    options = chunk_mod.ChunkOptions(bwd_group_loop=True, wy_recompute_t=True, bwd_partials=partials)
+    with chunk_mod.configured(options):
+        check_chunk(1, 130, 1, 2, 16, 16, dtype=torch.float16, tol_o=2e-3, tol_grad=2e-3, tol_gb=5e-3,
+                    h0=True, l2=True, cu=[0, 1, 65, 130])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape,opts", [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])
+def test_bwd_group_loop_bf16_gpu(shape, opts):
+    """bwd_group_loop with wy_recompute_t compiled for the GPU on the Qwen3.5 shapes of test_chunk_bf16_gpu, forward
+    and backward in bf16 against the float64 oracle (a configuration that fails here must not become a default)."""
+    with chunk_mod.configured(chunk_mod.ChunkOptions(bwd_group_loop=True, wy_recompute_t=True)):
+        check_chunk(*shape, dtype=torch.bfloat16, **BF16, **opts)
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("shape,opts", [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])

@@ -382,27 +382,32 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
         return dq, dk, dv, dg, db, dh0, *_gate_grads(gates, pa, pd)
     # Per-value-head partials of dkhat (and of dqhat when G > 1), [TT, HV, K]: _bwd_wy writes the WY part of
     # dkhat, _bwd_out adds its terms (or, with G = 1, finishes dq and dk itself), _bwd_reduce sums the groups.
+    # With bwd_group_loop (several value heads per q/k head), one program per chunk and q/k head runs its value
+    # heads in turn in _bwd_wy and in _bwd_out: dkp is [TT, H, K], _bwd_out finishes dq and dk (dk over dkp where
+    # their dtypes agree) and neither the dq partials nor _bwd_reduce are needed.
+    gloop = opts.bwd_group_loop and G > 1
     part_dtype = torch.float32 if (full or opts.bwd_partials == "fp32") else q.dtype
     dgc = torch.empty(TT, HV, device=dev, dtype=torch.float32)
-    dkp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
-    _bwd_wy[(plan.NC * HV,)](k, rk, v, beta, gc, gc if tinv is None else tinv, hs, dvn, dv, db, dgc, dkp,
-                             plan.chunks, BV=cfg.bv["wy"], MODE=mode("prod_wy"), BSIG=gates.beta_sigmoid,
-                             RECOMP_T=opts.wy_recompute_t, INV=cfg.INV, **common, num_warps=cfg.nw["wy"],
-                             num_stages=stages(opts.stages_wy))
+    dkp = torch.empty(TT, H if gloop else HV, K, device=dev, dtype=part_dtype)
+    programs = plan.NC * (H if gloop else HV)
+    _bwd_wy[(programs,)](k, rk, v, beta, gc, gc if tinv is None else tinv, hs, dvn, dv, db, dgc, dkp, plan.chunks,
+                         BV=cfg.bv["wy"], MODE=mode("prod_wy"), BSIG=gates.beta_sigmoid, RECOMP_T=opts.wy_recompute_t,
+                         INV=cfg.INV, GLOOP=gloop, **common, num_warps=cfg.nw["wy"], num_stages=stages(opts.stages_wy))
     cfg.mark("bwd_wy")
     del dvn, tinv
-    if G == 1:
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
+    if G == 1 or gloop:
+        dq = torch.empty_like(q)
+        dk = dkp if gloop and dkp.dtype == k.dtype else torch.empty_like(k)
         dqp = dkp
     else:
         dq = dk = gc  # written by _bwd_reduce
         dqp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
-    _bwd_out[(plan.NC * HV,)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkp, dqp, dq, dk, dg, plan.chunks, scale,
-                              g, pa_ptr=pa, pd_ptr=pd, **_gate_args(gates, gc),
-                              BV=cfg.bv["bo"], MODE=mode("prod_bo"), TWO_PASS=opts.bo_two_pass, **common,
-                              num_warps=cfg.nw["bo"], num_stages=stages(opts.stages_bo))
+    _bwd_out[(programs,)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkp, dqp, dq, dk, dg, plan.chunks, scale, g,
+                          pa_ptr=pa, pd_ptr=pd, **_gate_args(gates, gc), BV=cfg.bv["bo"], MODE=mode("prod_bo"),
+                          TWO_PASS=opts.bo_two_pass, GLOOP=gloop, **common, num_warps=cfg.nw["bo"],
+                          num_stages=stages(opts.stages_bo))
     cfg.mark("bwd_out")
-    if G > 1:
+    if G > 1 and not gloop:
         del hs, dhs, vn
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         bt = 32 if interp else opts.bt_red

@@ -81,11 +81,15 @@ class ChunkOptions:
     # wy_recompute_t: _bwd_wy computes T = (I + A)^-1 itself instead of reading the one the backward's in-chunk
     # kernel stored: one fp32 [tokens, HV, 64] buffer less through the reverse pass and _bwd_wy (0.5 GiB at
     # 65,536 tokens x 32 value heads), for one more in-chunk inverse per chunk and value head.
+    # bwd_group_loop: with several value heads per q/k head, _bwd_wy and _bwd_out run one program per chunk and q/k
+    # head that takes its value heads in turn: _bwd_out finishes dq and dk, with no dq partials (one [tokens, HV, K]
+    # buffer), dk partials per q/k head instead of per value head, and no _bwd_reduce; G times fewer programs.
     bwd_partials: str = "input"
     prod_wy: str = "16"
     prod_bo: str = "16"
     bo_two_pass: bool = False
     wy_recompute_t: bool = False
+    bwd_group_loop: bool = False
     bv_sbwd: int = 32
     warps_sbwd: int = 4
     stages_sbwd: int = 2

@@ -39,6 +39,10 @@ others in ``kernel_bwd.py``; their launches in ``chunk_launch.py``, their tunabl
 * ``_bwd_reduce``  [token block, q/k head]: sums the partials of the value heads that share a q/k head, goes
   back through the l2norm and casts.
 
+With ``ChunkOptions.bwd_group_loop``, ``_bwd_wy`` and ``_bwd_out`` run one program per chunk and q/k head that
+takes the value heads sharing it in turn [chunk x q/k head]: ``_bwd_wy`` writes the group's WY part of dk,
+``_bwd_out`` finishes dq and dk, and there are neither dq partials nor ``_bwd_reduce``.
+
 No kernel uses a transposed computed tile as a dot operand (a Triton-on-Hopper miscompile hazard): transposed
 inputs are loaded with swapped strides, and a product with a transposed computed tile is formed as the
 transpose of the product of the transposed loaded operand with that tile.

@@ -128,7 +128,7 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
             chunks_ptr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
             BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
             MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, BSIG: tl.constexpr,
-            RECOMP_T: tl.constexpr, INV: tl.constexpr):
+            RECOMP_T: tl.constexpr, INV: tl.constexpr, GLOOP: tl.constexpr):
     """Back through v' = u - w h, w = T diag(beta exp(gc)) khat, u = T diag(beta) v and T = (I + A)^-1:
     dv and dbeta (complete; with BSIG beta holds logits and db is theirs), the WY part of dgc and the WY part of
     dkhat, which starts this value head's dk partial (``dkp``; ``_bwd_out`` adds the rest). ``dv_ptr`` may be
@@ -140,12 +140,22 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     A' = (P A P)^T, A'_rj = beta_j (khat_r . khat_j) exp(gc_j - gc_r) (r > j, in the reversed rows), so the
     forward's unit-lower inverse gives it in registers and no computed tile is ever transposed for a product.
     Every other product and row reduction is the same in either order; only dA's triangle flips (strictly
-    upper in reversed rows). INV: that inverse's method (_unit_lower_inverse)."""
+    upper in reversed rows). INV: that inverse's method (_unit_lower_inverse).
+
+    GLOOP: one program per chunk and q/k head runs the G value heads that share it, one after another, and writes
+    the sum of their WY parts of dkhat to ``dkp`` laid out [tokens, H, K] (else one program per value head, dkp
+    [tokens, HV, K])."""
     # one grid axis, value heads fastest: the value heads of one q/k head read the same k rows back to back
+    # (GLOOP: one program per chunk and q/k head runs its G value heads one after another)
     pid = tl.program_id(0)
-    hv = pid % HV
-    pid_c = pid // HV
-    h = hv // (HV // H)
+    G: tl.constexpr = HV // H
+    if GLOOP:
+        h = pid % H
+        pid_c = pid // H
+    else:
+        hv0 = pid % HV
+        pid_c = pid // HV
+        h = hv0 // G
     start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
     if start >= end:  # an empty row of a device-built chunk table (chunk_launch.DevicePlan)
         return
@@ -157,64 +167,78 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     mk = valid[:, None] & (ck[None, :] < K)
     k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
-    gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
-    b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
-    if BSIG:
-        b = tl.where(valid, sigmoid(b), 0.0)
     kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
-    if RECOMP_T:
-        # (P T^T P) = (I + A')^-1; _chunk_decay of -gc is exp(gc_j - gc_r) below the diagonal
-        Tt = _unit_lower_inverse(kk * _chunk_decay(-gc, valid, True) * b[None, :], PREC, INV)
-    else:
-        # T^T, transposed on load (swapped strides): no transpose of a tile in registers
-        Tt = tl.load(tinv_ptr + tok[None, :] * (HV * 64) + hv * 64 + rows[:, None], mask=valid[None, :], other=0.0)
-    dwa = tl.zeros([64, BK], dtype=tl.float32)
-    dT = tl.zeros([64, 64], dtype=tl.float32)
-    db = tl.zeros([64], dtype=tl.float32)
-    st_base = (pid_c.to(tl.int64) * HV + hv) * (K * V)
-    for vb in range(tl.cdiv(V, BV)):
-        cv = vb * BV + tl.arange(0, BV)
-        mv = valid[:, None] & (cv[None, :] < V)
-        tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
-        st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :],
-                     mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
-        dvn = tl.load(dvn_ptr + tv_off, mask=mv, other=0.0)
-        v = tl.load(v_ptr + tv_off, mask=mv, other=0.0)
-        dwa += tl.dot(dvn, tl.trans(st), input_precision=PREC)
-        dT += tl.dot(dvn, tl.trans(v.to(dvn.dtype)), input_precision=PREC)  # columns scaled by beta below
-        dY = _mix_a(Tt, dvn, MODE, PREC, DT)
-        tl.store(dv_ptr + tv_off, (dY * b[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
-        db += tl.sum(v.to(tl.float32) * dY, 1)
-    eg = tl.where(valid, tl.exp(gc), 0.0)
-    beg = b * eg
-    # x = diag(beta exp(gc) rk) k;  dw = -dwa;  dx = T^T dw;  dT += dw x^T
-    dT = dT * b[None, :] - _mix_a(dwa, tl.trans(k), MODE, PREC, DT) * (beg * rk)[None, :]
-    dx = -tl.dot(Tt, dwa, input_precision=PREC)
-    kdx = tl.sum(k.to(tl.float32) * dx, 1) * rk
-    db += kdx * eg
-    dgc = kdx * beg
-    dk = dx * beg[:, None]
-    # dA = -T^T dT T^T on the strict lower triangle;  A = diag(beta) (khat khat^T o decay)
-    dA = -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC)
-    if RECOMP_T:  # reversed rows: A's strict lower triangle is the strict upper one, its decay exp(gc_r - gc_j)
-        up = (rows[:, None] < rows[None, :]) & valid[:, None] & valid[None, :]
-        dA = tl.where(up, dA * tl.exp(tl.where(up, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    else:
-        dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0) * _chunk_decay(gc, valid, True)
-    dAk = dA * kk
-    db += tl.sum(dAk, 1)
-    qa = dAk * b[:, None]
-    dgc += tl.sum(qa, 1) - tl.sum(qa, 0)
-    p = dA * b[:, None]
-    # dkhat += p khat + p^T khat; the second as (khat^T p)^T, a product of the loaded k (transposed on the
-    # operand side) with p, whose result is transposed back: p itself is never a transposed dot operand
-    dk += _mix_a(p * rk[None, :], k, MODE, PREC, DT)
-    dk += tl.trans(_mix_b(tl.trans(k), p * rk[:, None], MODE, PREC, DT))
-    if BSIG:
-        db = db * b * (1.0 - b)
-    tl.store(db_ptr + tok * HV + hv, db.to(db_ptr.dtype.element_ty), mask=valid)
-    tl.store(dgc_ptr + tok * HV + hv, dgc, mask=valid)
-    tl.store(dkp_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], dk.to(dkp_ptr.dtype.element_ty), mask=mk)
+    dk_sum = tl.zeros([64, BK], dtype=tl.float32)  # GLOOP only
+    for gi in tl.static_range(G if GLOOP else 1):
+        if GLOOP:
+            hv = h * G + gi
+        else:
+            hv = hv0
+        gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
+        b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
+        if BSIG:
+            b = tl.where(valid, sigmoid(b), 0.0)
+        if RECOMP_T:
+            # (P T^T P) = (I + A')^-1; _chunk_decay of -gc is exp(gc_j - gc_r) below the diagonal
+            Tt = _unit_lower_inverse(kk * _chunk_decay(-gc, valid, True) * b[None, :], PREC, INV)
+        else:
+            # T^T, transposed on load (swapped strides): no transpose of a tile in registers
+            Tt = tl.load(tinv_ptr + tok[None, :] * (HV * 64) + hv * 64 + rows[:, None], mask=valid[None, :],
+                         other=0.0)
+        dwa = tl.zeros([64, BK], dtype=tl.float32)
+        dT = tl.zeros([64, 64], dtype=tl.float32)
+        db = tl.zeros([64], dtype=tl.float32)
+        st_base = (pid_c.to(tl.int64) * HV + hv) * (K * V)
+        for vb in range(tl.cdiv(V, BV)):
+            cv = vb * BV + tl.arange(0, BV)
+            mv = valid[:, None] & (cv[None, :] < V)
+            tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
+            st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :],
+                         mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
+            dvn = tl.load(dvn_ptr + tv_off, mask=mv, other=0.0)
+            v = tl.load(v_ptr + tv_off, mask=mv, other=0.0)
+            dwa += tl.dot(dvn, tl.trans(st), input_precision=PREC)
+            dT += tl.dot(dvn, tl.trans(v.to(dvn.dtype)), input_precision=PREC)  # columns scaled by beta below
+            dY = _mix_a(Tt, dvn, MODE, PREC, DT)
+            tl.store(dv_ptr + tv_off, (dY * b[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
+            db += tl.sum(v.to(tl.float32) * dY, 1)
+        eg = tl.where(valid, tl.exp(gc), 0.0)
+        beg = b * eg
+        # x = diag(beta exp(gc) rk) k;  dw = -dwa;  dx = T^T dw;  dT += dw x^T
+        dT = dT * b[None, :] - _mix_a(dwa, tl.trans(k), MODE, PREC, DT) * (beg * rk)[None, :]
+        dx = -tl.dot(Tt, dwa, input_precision=PREC)
+        kdx = tl.sum(k.to(tl.float32) * dx, 1) * rk
+        db += kdx * eg
+        dgc = kdx * beg
+        dk = dx * beg[:, None]
+        # dA = -T^T dT T^T on the strict lower triangle;  A = diag(beta) (khat khat^T o decay)
+        dA = -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC)
+        if RECOMP_T:  # reversed rows: A's strict lower triangle is the strict upper one, its decay exp(gc_r - gc_j)
+            up = (rows[:, None] < rows[None, :]) & valid[:, None] & valid[None, :]
+            dA = tl.where(up, dA * tl.exp(tl.where(up, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        else:
+            dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0) * _chunk_decay(gc, valid, True)
+        dAk = dA * kk
+        db += tl.sum(dAk, 1)
+        qa = dAk * b[:, None]
+        dgc += tl.sum(qa, 1) - tl.sum(qa, 0)
+        p = dA * b[:, None]
+        # dkhat += p khat + p^T khat; the second as (khat^T p)^T, a product of the loaded k (transposed on the
+        # operand side) with p, whose result is transposed back: p itself is never a transposed dot operand
+        dk += _mix_a(p * rk[None, :], k, MODE, PREC, DT)
+        dk += tl.trans(_mix_b(tl.trans(k), p * rk[:, None], MODE, PREC, DT))
+        if BSIG:
+            db = db * b * (1.0 - b)
+        tl.store(db_ptr + tok * HV + hv, db.to(db_ptr.dtype.element_ty), mask=valid)
+        tl.store(dgc_ptr + tok * HV + hv, dgc, mask=valid)
+        if GLOOP:
+            dk_sum += dk
+        else:
+            tl.store(dkp_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], dk.to(dkp_ptr.dtype.element_ty),
+                     mask=mk)
+    if GLOOP:  # the group's sum: dkp is [tokens, H, K]
+        tl.store(dkp_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], dk_sum.to(dkp_ptr.dtype.element_ty),
+                 mask=mk)
 
 
 @triton.jit
@@ -223,7 +247,7 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
              MODE: tl.constexpr, TWO_PASS: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-             GATE: tl.constexpr, HAS_DT: tl.constexpr):
+             GATE: tl.constexpr, HAS_DT: tl.constexpr, GLOOP: tl.constexpr):
     """Output and state terms of dq, dk and all of dg for one (chunk, value head).
 
     GATE: g (``g_ptr``) holds FLA's raw gate a (``gate_terms``): dg is written for a, and this chunk's parts of
@@ -231,15 +255,22 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
 
     With one value head per q/k head (G = 1) dq and dk are finished here (back through the l2norm, cast).
     Otherwise this value head's dq partial is written to ``dqp`` and its dk terms are added to the WY part
-    already in ``dkp``; ``_bwd_reduce`` sums the G partials of each q/k head.
+    already in ``dkp``; ``_bwd_reduce`` sums the G partials of each q/k head. GLOOP (``_bwd_wy``'s too, so
+    ``dkp`` holds the group's WY part [tokens, H, K]): one program per chunk and q/k head runs the G value heads
+    one after another and finishes dq and dk itself; ``dk_ptr`` may be ``dkp_ptr`` (each program reads its dkp
+    tile before it writes the same elements of dk).
     TWO_PASS: two passes over the value blocks, the first for dq (reading do, h, v'), the second for dk (reading
     v', dh, h again), so one [64, BK] fp32 accumulator is live at a time instead of two.
     """
     pid = tl.program_id(0)
-    hv = pid % HV
-    pid_c = pid // HV
     G: tl.constexpr = HV // H
-    h = hv // G
+    if GLOOP:
+        h = pid % H
+        pid_c = pid // H
+    else:
+        hv0 = pid % HV
+        pid_c = pid // HV
+        h = hv0 // G
     start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
     if start >= end:  # an empty row of a device-built chunk table (chunk_launch.DevicePlan)
         return
@@ -248,75 +279,95 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
     qk_off = tok[:, None] * (H * K) + h * K + ck[None, :]
-    part_off = tok[:, None] * (HV * K) + hv * K + ck[None, :]
-    dqi = tl.zeros([64, BK], dtype=tl.float32)
-    dkh = tl.zeros([64, BK], dtype=tl.float32)
-    ds = tl.zeros([64, 64], dtype=tl.float32)
-    dgl = tl.zeros([BK], dtype=tl.float32)
-    st_base = (pid_c.to(tl.int64) * HV + hv) * (K * V)
-    for vb in range(tl.cdiv(V, BV)):
-        cv = vb * BV + tl.arange(0, BV)
-        mv = valid[:, None] & (cv[None, :] < V)
-        mkv = (ck[:, None] < K) & (cv[None, :] < V)
-        tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
-        st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
-        vn = tl.load(vn_ptr + tv_off, mask=mv, other=0.0)
-        do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(vn.dtype)
-        dqi += tl.dot(do, tl.trans(st), input_precision=PREC)
-        ds += tl.dot(do, tl.trans(vn), input_precision=PREC)
-        if not TWO_PASS:
-            dst = tl.load(dhs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
-            dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
-            dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
-    # q, k and the per-row factors are loaded after the loop: they are not held in registers across it
-    q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
-    k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
-    rq = _rows(rq_ptr, tok, H, h, valid, L2)
-    rk = _rows(rk_ptr, tok, H, h, valid, L2)
-    gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
-    gl = tl.load(gc_ptr + (start + last_row) * HV + hv)
-    eg = tl.where(valid, tl.exp(gc), 0.0)
-    egl = tl.where(valid, tl.exp(gl - gc), 0.0)
-    dsd = ds * _chunk_decay(gc, valid, False) * scale
-    dmd = dsd * tl.dot(q, tl.trans(k), input_precision=PREC) * rq[:, None] * rk[None, :]
-    dgc = tl.sum(dmd, 1) - tl.sum(dmd, 0)
-    # dqhat: inter-chunk term diag(scale exp(gc)) do h^T, intra-chunk term (ds o D) khat
-    dgc += tl.sum(q.to(tl.float32) * dqi, 1) * rq * eg * scale
-    dq = dqi * (eg * scale)[:, None] + _mix_a(dsd * rk[None, :], k, MODE, PREC, DT)
-    if G == 1:
-        tl.store(dq_ptr + qk_off, _l2norm_bwd(dq, q, rq, L2).to(dq_ptr.dtype.element_ty), mask=mk)
-    else:
-        tl.store(dqp_ptr + part_off, dq.to(dqp_ptr.dtype.element_ty), mask=mk)
-    if TWO_PASS:
+    dq_sum = tl.zeros([64, BK], dtype=tl.float32)  # GLOOP only
+    dk_sum = tl.zeros([64, BK], dtype=tl.float32)
+    for gi in tl.static_range(G if GLOOP else 1):
+        if GLOOP:
+            hv = h * G + gi
+        else:
+            hv = hv0
+        part_off = tok[:, None] * (HV * K) + hv * K + ck[None, :]
+        dqi = tl.zeros([64, BK], dtype=tl.float32)
+        dkh = tl.zeros([64, BK], dtype=tl.float32)
+        ds = tl.zeros([64, 64], dtype=tl.float32)
+        dgl = tl.zeros([BK], dtype=tl.float32)
+        st_base = (pid_c.to(tl.int64) * HV + hv) * (K * V)
         for vb in range(tl.cdiv(V, BV)):
             cv = vb * BV + tl.arange(0, BV)
+            mv = valid[:, None] & (cv[None, :] < V)
             mkv = (ck[:, None] < K) & (cv[None, :] < V)
+            tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
             st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
-            dst = tl.load(dhs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
-            vn = tl.load(vn_ptr + tok[:, None] * (HV * V) + hv * V + cv[None, :],
-                         mask=valid[:, None] & (cv[None, :] < V), other=0.0)
-            dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
-            dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
-    # dkhat: through h_next = exp(gl) h + khat^T diag(exp(gl - gc)) v', the intra-chunk term
-    # (ds o D)^T qhat (as (qhat^T (ds o D))^T from the loaded q: no transposed computed dot operand) and the
-    # WY part from _bwd_wy
-    e = egl * rk * tl.sum(k.to(tl.float32) * dkh, 1)
-    dk = dkh * egl[:, None] + tl.trans(_mix_b(tl.trans(q), dsd * rq[:, None], MODE, PREC, DT))
-    dk += tl.load(dkp_ptr + part_off, mask=mk, other=0.0).to(tl.float32)
-    if G == 1:
-        tl.store(dk_ptr + qk_off, _l2norm_bwd(dk, k, rk, L2).to(dk_ptr.dtype.element_ty), mask=mk)
-    else:
-        tl.store(dkp_ptr + part_off, dk.to(dkp_ptr.dtype.element_ty), mask=mk)
-    dgc -= e
-    dgc += tl.where(rows == last_row, tl.exp(gl) * tl.sum(dgl, 0) + tl.sum(e, 0), 0.0)
-    dgc += tl.load(dgc_ptr + tok * HV + hv, mask=valid, other=0.0)
-    dg = tl.cumsum(tl.where(valid, dgc, 0.0), 0, reverse=True)
-    if GATE:
-        x, A, g = gate_terms(g_ptr, alog_ptr, dtb_ptr, tok, valid, hv, HV, HAS_DT)
-        tl.store(pa_ptr + pid_c * HV + hv, tl.sum(tl.where(valid, dg * g, 0.0), 0))
-        dg = tl.where(valid, dg * A * sigmoid(x), 0.0)
-        tl.store(pd_ptr + pid_c * HV + hv, tl.sum(dg, 0))
-    tl.store(dg_ptr + tok * HV + hv, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+            vn = tl.load(vn_ptr + tv_off, mask=mv, other=0.0)
+            do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(vn.dtype)
+            dqi += tl.dot(do, tl.trans(st), input_precision=PREC)
+            ds += tl.dot(do, tl.trans(vn), input_precision=PREC)
+            if not TWO_PASS:
+                dst = tl.load(dhs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
+                dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
+                dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
+        # q, k and the per-row factors are loaded after the loop: they are not held in registers across it
+        q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
+        k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
+        rq = _rows(rq_ptr, tok, H, h, valid, L2)
+        rk = _rows(rk_ptr, tok, H, h, valid, L2)
+        gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
+        gl = tl.load(gc_ptr + (start + last_row) * HV + hv)
+        eg = tl.where(valid, tl.exp(gc), 0.0)
+        egl = tl.where(valid, tl.exp(gl - gc), 0.0)
+        dsd = ds * _chunk_decay(gc, valid, False) * scale
+        dmd = dsd * tl.dot(q, tl.trans(k), input_precision=PREC) * rq[:, None] * rk[None, :]
+        dgc = tl.sum(dmd, 1) - tl.sum(dmd, 0)
+        # dqhat: inter-chunk term diag(scale exp(gc)) do h^T, intra-chunk term (ds o D) khat
+        dgc += tl.sum(q.to(tl.float32) * dqi, 1) * rq * eg * scale
+        dq = dqi * (eg * scale)[:, None] + _mix_a(dsd * rk[None, :], k, MODE, PREC, DT)
+        if GLOOP:
+            dq_sum += dq
+        elif G == 1:
+            tl.store(dq_ptr + qk_off, _l2norm_bwd(dq, q, rq, L2).to(dq_ptr.dtype.element_ty), mask=mk)
+        else:
+            tl.store(dqp_ptr + part_off, dq.to(dqp_ptr.dtype.element_ty), mask=mk)
+        if TWO_PASS:
+            for vb in range(tl.cdiv(V, BV)):
+                cv = vb * BV + tl.arange(0, BV)
+                mkv = (ck[:, None] < K) & (cv[None, :] < V)
+                st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
+                dst = tl.load(dhs_ptr + st_base + ck[:, None] * V + cv[None, :], mask=mkv, other=0.0)
+                vn = tl.load(vn_ptr + tok[:, None] * (HV * V) + hv * V + cv[None, :],
+                             mask=valid[:, None] & (cv[None, :] < V), other=0.0)
+                dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
+                dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
+        # dkhat: through h_next = exp(gl) h + khat^T diag(exp(gl - gc)) v', the intra-chunk term
+        # (ds o D)^T qhat (as (qhat^T (ds o D))^T from the loaded q: no transposed computed dot operand) and the
+        # WY part from _bwd_wy
+        e = egl * rk * tl.sum(k.to(tl.float32) * dkh, 1)
+        dk = dkh * egl[:, None] + tl.trans(_mix_b(tl.trans(q), dsd * rq[:, None], MODE, PREC, DT))
+        if GLOOP:
+            dk_sum += dk
+        else:
+            dk += tl.load(dkp_ptr + part_off, mask=mk, other=0.0).to(tl.float32)
+            if G == 1:
+                tl.store(dk_ptr + qk_off, _l2norm_bwd(dk, k, rk, L2).to(dk_ptr.dtype.element_ty), mask=mk)
+            else:
+                tl.store(dkp_ptr + part_off, dk.to(dkp_ptr.dtype.element_ty), mask=mk)
+        dgc -= e
+        dgc += tl.where(rows == last_row, tl.exp(gl) * tl.sum(dgl, 0) + tl.sum(e, 0), 0.0)
+        dgc += tl.load(dgc_ptr + tok * HV + hv, mask=valid, other=0.0)
+        dg = tl.cumsum(tl.where(valid, dgc, 0.0), 0, reverse=True)
+        if GATE:
+            x, A, g = gate_terms(g_ptr, alog_ptr, dtb_ptr, tok, valid, hv, HV, HAS_DT)
+            tl.store(pa_ptr + pid_c * HV + hv, tl.sum(tl.where(valid, dg * g, 0.0), 0))
+            dg = tl.where(valid, dg * A * sigmoid(x), 0.0)
+            tl.store(pd_ptr + pid_c * HV + hv, tl.sum(dg, 0))
+        tl.store(dg_ptr + tok * HV + hv, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+    if GLOOP:  # the group's sums, finished; dkp holds the group's WY part [tokens, H, K]
+        q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
+        k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
+        rq = _rows(rq_ptr, tok, H, h, valid, L2)
+        rk = _rows(rk_ptr, tok, H, h, valid, L2)
+        tl.store(dq_ptr + qk_off, _l2norm_bwd(dq_sum, q, rq, L2).to(dq_ptr.dtype.element_ty), mask=mk)
+        dk_sum += tl.load(dkp_ptr + qk_off, mask=mk, other=0.0).to(tl.float32)
+        tl.store(dk_ptr + qk_off, _l2norm_bwd(dk_sum, k, rk, L2).to(dk_ptr.dtype.element_ty), mask=mk)
 
 
 @triton.jit(do_not_specialize=["TT"])

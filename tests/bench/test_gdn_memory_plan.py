@@ -1,0 +1,39 @@
+"""`benchmarks/gdn_memory_plan.py`: the GDN op's allocation plan, counted with its kernels replaced by no-ops, against
+the buffers the launcher's design keeps alive at its peak (chunk_launch.backward), counted by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from deltafuse.ops.gated_delta import chunk_launch
+from deltafuse.ops.gated_delta.chunk_options import ChunkOptions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+spec = importlib.util.spec_from_file_location("gdn_memory_plan", os.path.join(ROOT, "benchmarks", "gdn_memory_plan.py"))
+memory_plan = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(memory_plan)
+
+
+@pytest.mark.parametrize("T", [4096, 65536])
+def test_peak_is_the_reverse_pass_buffers_and_the_two_options_drop_a_token_buffer(T):
+    """bf16, H=16, HV=32, D=128 (Qwen3.5's GDN). Default: at the reverse pass o, w, T (fp32, 64 per token and value
+    head), the chunk states and their gradients, v' and dv_local are alive. wy_recompute_t drops T, and
+    bwd_group_loop keeps the later peak at _bwd_out as low (no dq partials): together they save T's bytes exactly.
+    The small per-token vectors (gates, norms) stay under 1 % of the peak."""
+    H, HV, D = 16, 32, 128
+    token = T * HV * D * 2  # one [tokens, HV, D] bf16 buffer
+    states = (T // 64) * HV * D * D * 2  # the chunk states, or their gradients
+    tinv = T * HV * 64 * 4
+    reverse_pass = 4 * token + tinv + 2 * states  # o, w, v', dv_local; T; states and their gradients
+    kernels = {n: getattr(chunk_launch, n) for n in ("_intra_fwd", "_state_bwd", "_bwd_out")}
+    _, peak = memory_plan.plan((1, T, H, HV, D), ChunkOptions())
+    assert reverse_pass <= peak <= 1.01 * reverse_pass
+    _, lean = memory_plan.plan((1, T, H, HV, D), ChunkOptions(wy_recompute_t=True, bwd_group_loop=True))
+    assert reverse_pass - tinv <= lean <= 1.01 * (reverse_pass - tinv)
+    # either option alone leaves the peak where it was (T stays alive, or the dq partials take its place)
+    for one in (dict(wy_recompute_t=True), dict(bwd_group_loop=True)):
+        assert memory_plan.plan((1, T, H, HV, D), ChunkOptions(**one))[1] >= reverse_pass
+    assert all(getattr(chunk_launch, n) is k for n, k in kernels.items())  # the kernels are restored

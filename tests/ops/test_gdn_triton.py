@@ -986,3 +986,61 @@ def test_wy_recompute_t_bf16_gpu(shape, opts):
     bf16 against the float64 oracle (a configuration that fails here must not become a default)."""
     with chunk_mod.configured(chunk_mod.ChunkOptions(wy_recompute_t=True)):
         check_chunk(*shape, dtype=torch.bfloat16, **BF16, **opts)
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V,cu", [(1, 130, 1, 2, 16, 16, [0, 1, 65, 130]), (2, 70, 2, 4, 16, 32, None),
+                                             (1, 66, 2, 2, 32, 16, None)],
+                         ids=["varlen_G2", "B2_G2_V32", "G1_K32"])
+@pytest.mark.parametrize("group_loop", [False, True], ids=["per_value_head", "group_loop"])
+def test_qkv_read_in_place_from_a_fused_projection(B, T, H, HV, K, V, cu, group_loop):
+    """q, k and v as the GDN layer passes them: [B, T, heads, D] views of one [B, T, 2HK + HV V + 8] tensor (the
+    fused projection, a few columns to spare). The kernels read them in place (the tensors saved for the backward
+    are views of that tensor: nothing was copied), and o, the final state and the gradient that reaches the fused
+    tensor match float64 within the fp32 bound."""
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    C = 2 * H * K + HV * V + 8
+    fused, g = r(B, T, C), -torch.nn.functional.softplus(r(B, T, HV) * 1.5 - 0.5)
+    beta, s0 = torch.sigmoid(r(B, T, HV)), r(B if cu is None else len(cu) - 1, HV, K, V)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE) if cu is not None else None
+    do, dht = r(B, T, HV, V), r(*s0.shape)
+
+    def run(fused, g, beta, s0, op):
+        q = fused[..., :H * K].unflatten(-1, (H, K))
+        k = fused[..., H * K:2 * H * K].unflatten(-1, (H, K))
+        v = fused[..., 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
+        return op(q, k, v, g, beta, K**-0.5, s0, True, True, cu_t)
+
+    leaves = [x.to(DEVICE, torch.float32).requires_grad_() for x in (fused, g, beta, s0)]
+    with chunk_mod.configured(chunk_mod.ChunkOptions(bwd_group_loop=group_loop)):
+        o, ht = run(*leaves, chunk_gated_delta_rule_triton)
+    saved = o.grad_fn.saved_tensors[:3]
+    assert all(t.untyped_storage().data_ptr() == leaves[0].untyped_storage().data_ptr() for t in saved)
+    ((o.double() * do.to(DEVICE)).sum() + (ht.double() * dht.to(DEVICE)).sum()).backward()
+    ref_leaves = [x.clone().requires_grad_() for x in (fused, g, beta, s0)]
+    ro, rht = run(*ref_leaves, naive_gated_delta_rule)
+    ((ro * do).sum() + (rht * dht).sum()).backward()
+    for name, got, want in [("o", o, ro), ("ht", ht, rht)] + [
+            ("d" + n, x.grad, y.grad) for n, x, y in zip(("fused", "g", "beta", "h0"), leaves, ref_leaves)]:
+        e, m = rel_rms(got, want), rel_max(got, want)
+        assert e <= FP32_TOL and m <= 20 * FP32_TOL, f"{name}: rel rms {e:.2e}, max {m:.2e}"
+    assert not leaves[0].grad[..., 2 * H * K + HV * V:].any()  # the spare columns get no gradient
+
+
+def test_a_lone_view_is_copied_not_held():
+    """v alone a view of a wider tensor (transformers <= 5.22 repeats q and k, so only v is a slice of the fused
+    projection): it is copied before it is saved, so the backward does not hold the wider tensor; o and every
+    gradient are bit-equal to those of a contiguous v."""
+    xs, _ = make_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32, h0=False, l2=True)
+    wide = torch.cat([torch.randn(1, 70, 40, device=DEVICE), xs["v"].flatten(-2)], -1)
+    do = torch.randn(1, 70, 2, 16, device=DEVICE)
+    runs = []
+    for v in (wide[..., 40:].unflatten(-1, (2, 16)), xs["v"]):
+        leaves = [xs["q"].clone().requires_grad_(), xs["k"].clone().requires_grad_(), v.detach().requires_grad_()]
+        o, _ = chunk_gated_delta_rule_triton(*leaves, xs["g"], xs["beta"], 0.25, None, False, True, None)
+        saved_v = o.grad_fn.saved_tensors[2]
+        o.backward(do)
+        runs.append((o.detach(), [x.grad for x in leaves], saved_v.untyped_storage().data_ptr()))
+    assert runs[0][2] != wide.untyped_storage().data_ptr()
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

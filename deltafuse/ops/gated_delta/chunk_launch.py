@@ -177,10 +177,17 @@ def _rstd(q, k, L2, cfg):
     rq = torch.empty(TT, H, device=q.device, dtype=torch.float32)
     rk = torch.empty(TT, H, device=q.device, dtype=torch.float32)
     if TT:
-        _l2norm_rstd[(triton.cdiv(TT, 64), H)](q, k, rq, rk, TT, H=H, K=K, BK=max(16, triton.next_power_of_2(K)),
+        _l2norm_rstd[(triton.cdiv(TT, 64), H)](q, k, rq, rk, TT, q.stride(0), k.stride(0), H=H, K=K,
+                                               BK=max(16, triton.next_power_of_2(K)),
                                                num_warps=1 if _interpreting() else 4)
     cfg.mark("l2norm")
     return rq, rk
+
+
+def _dense(x: torch.Tensor, make=torch.empty) -> torch.Tensor:
+    """A contiguous tensor of ``x``'s shape, dtype and device: q, k and v may be row views of a wider tensor, their
+    gradients never are."""
+    return make(x.shape, device=x.device, dtype=x.dtype)
 
 
 def _gate_args(gates: Gates, dummy: torch.Tensor) -> dict:
@@ -209,9 +216,9 @@ def prepare(k, rk, v, g, beta, plan, cfg, L2, store_t, gates: Gates = NONE):
     tinv = torch.empty(TT, HV, BT, device=dev, dtype=torch.float32) if store_t else None
     if plan.NC:
         _intra_fwd[(plan.NC, HV)](k, rk if L2 else gc, v, g, beta, gc, w, u, tinv if store_t else gc, plan.chunks,
-                                  H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=cfg.bv["intra"], L2=L2, STORE_T=store_t,
-                                  MODE=cfg.intra_mode, INV=cfg.INV, PREC=cfg.PREC, DT=cfg.DT,
-                                  BSIG=gates.beta_sigmoid, **_gate_args(gates, gc),
+                                  sk=k.stride(0), sv=v.stride(0), H=H, HV=HV, K=K, V=V, BK=cfg.BK,
+                                  BV=cfg.bv["intra"], L2=L2, STORE_T=store_t, MODE=cfg.intra_mode, INV=cfg.INV,
+                                  PREC=cfg.PREC, DT=cfg.DT, BSIG=gates.beta_sigmoid, **_gate_args(gates, gc),
                                   num_warps=cfg.nw["intra"], num_stages=cfg.stages)
     cfg.mark("intra")
     return gc, w, u, tinv
@@ -268,7 +275,7 @@ def state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, L2):
     HV, V = u.shape[-2:]
     _state_fwd[(triton.cdiv(V, fc.bv_state) * plan.N * HV,)](
         k, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, hs, vn, ht if ht is not None else gc, plan.cu,
-        plan.coff, H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=fc.bv_state, L2=L2, HAS_H0=h0 is not None,
+        plan.coff, sk=k.stride(0), H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=fc.bv_state, L2=L2, HAS_H0=h0 is not None,
         STORE_HT=ht is not None, WH=fc.WH, KV=fc.KV, PREC=cfg.PREC, DT=cfg.DT, num_warps=fc.nw_state,
         num_stages=fc.stages_state)
     cfg.mark("state")
@@ -280,7 +287,8 @@ def output(q, k, rq, rk, gc, hs, vn, o, plan, scale, cfg, fc, L2):
     HV, V = vn.shape[-2:]
     if plan.NC:
         _out_fwd[(plan.NC * HV * triton.cdiv(V, fc.bv_out),)](
-            q, k, rq if L2 else gc, rk if L2 else gc, gc, hs, vn, o, plan.chunks, scale, H=H, HV=HV, K=K, V=V,
+            q, k, rq if L2 else gc, rk if L2 else gc, gc, hs, vn, o, plan.chunks, scale, sq=q.stride(0),
+            sk=k.stride(0), H=H, HV=HV, K=K, V=V,
             BK=fc.bk_out, BV=fc.bv_out, L2=L2, QH=fc.QH, SV=fc.SV, PREC=cfg.PREC, DT=cfg.DT,
             num_warps=fc.nw_out, num_stages=fc.stages_out)
     cfg.mark("out")
@@ -334,6 +342,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
         return 0 if full else PROD_MODES[getattr(opts, name)]
 
     common = dict(H=H, HV=HV, K=K, V=V, BK=cfg.BK, L2=L2, PREC=cfg.PREC, DT=cfg.DT)
+    strides = dict(sq=q.stride(0), sk=k.stride(0))  # q, k and v may be row views of a wider tensor (kernel.py)
     rq, rk = _rstd(q, k, L2, cfg)
     gc, w, u, tinv = prepare(k, rk, v, g, beta, plan, cfg, L2, not opts.wy_recompute_t, gates)
     rq, rk = (rq, rk) if L2 else (gc, gc)
@@ -346,7 +355,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     dvl = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
     if plan.NC:
         _dv_local[(plan.NC, HV)](q, k, rq, rk, gc, do, dvl, plan.chunks, scale, BV=cfg.bv["dvl"], X2=cfg.X2,
-                                 **common, num_warps=cfg.nw["dvl"], num_stages=stages(opts.stages_dvl))
+                                 **strides, **common, num_warps=cfg.nw["dvl"], num_stages=stages(opts.stages_dvl))
     cfg.mark("dv_local")
     dhs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
     # the full dv' is written over its in-chunk part (same dtype and layout; each program of the reverse pass
@@ -358,13 +367,13 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     stages_sbwd = 1 if (interp or cfg.store == torch.float32) else opts.stages_sbwd
     _state_bwd[(triton.cdiv(V, bv_sbwd) * plan.N * HV,)](
         q, k, rq, rk, w, gc, do, dvl, dht if dht is not None else gc, dhs, dvn, dh0 if need_dh0 else gc, plan.cu,
-        plan.coff, scale, BV=bv_sbwd, HAS_DHT=dht is not None, STORE_DH0=need_dh0, X2=cfg.X2, **common,
+        plan.coff, scale, BV=bv_sbwd, HAS_DHT=dht is not None, STORE_DH0=need_dh0, X2=cfg.X2, **strides, **common,
         num_warps=warps(opts.warps_sbwd), num_stages=stages_sbwd)
     cfg.mark("state_bwd")
     del w, dvl  # (dvl is dvn now)
     # dv is written over dv' where their dtypes agree (each _bwd_wy program reads a dv' tile before writing the
     # same elements of dv; nothing reads dv' after it): one [tokens, HV, V] buffer less at that kernel
-    dv = dvn if dvn.dtype == v.dtype else torch.empty_like(v)
+    dv = dvn if dvn.dtype == v.dtype else torch.empty(v.shape, device=dev, dtype=v.dtype)
     dg = torch.empty(g.shape, device=dev, dtype=g.dtype)
     db = torch.empty(beta.shape, device=dev, dtype=beta.dtype)
     # this chunk's parts of dA_log and d dt_bias ([NC, HV], written by _bwd_out when the gate is in the kernel)
@@ -373,7 +382,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     pa = parts(max(plan.NC, 1), HV, device=dev, dtype=torch.float32) if gates.gate else gc
     pd = parts(max(plan.NC, 1), HV, device=dev, dtype=torch.float32) if gates.gate else gc
     if not plan.NC:
-        dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+        dq, dk = _dense(q, torch.zeros), _dense(k, torch.zeros)
         for t in (dv, dg, db):
             t.zero_()
         if gates.gate:  # no chunk: no part of dA_log or d dt_bias
@@ -391,27 +400,28 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     dkp = torch.empty(TT, H if gloop else HV, K, device=dev, dtype=part_dtype)
     programs = plan.NC * (H if gloop else HV)
     _bwd_wy[(programs,)](k, rk, v, beta, gc, gc if tinv is None else tinv, hs, dvn, dv, db, dgc, dkp, plan.chunks,
-                         BV=cfg.bv["wy"], MODE=mode("prod_wy"), BSIG=gates.beta_sigmoid, RECOMP_T=opts.wy_recompute_t,
-                         INV=cfg.INV, GLOOP=gloop, **common, num_warps=cfg.nw["wy"], num_stages=stages(opts.stages_wy))
+                         sk=k.stride(0), sv=v.stride(0), BV=cfg.bv["wy"], MODE=mode("prod_wy"),
+                         BSIG=gates.beta_sigmoid, RECOMP_T=opts.wy_recompute_t, INV=cfg.INV, GLOOP=gloop, **common,
+                         num_warps=cfg.nw["wy"], num_stages=stages(opts.stages_wy))
     cfg.mark("bwd_wy")
     del dvn, tinv
     if G == 1 or gloop:
-        dq = torch.empty_like(q)
-        dk = dkp if gloop and dkp.dtype == k.dtype else torch.empty_like(k)
+        dq = _dense(q)
+        dk = dkp if gloop and dkp.dtype == k.dtype else _dense(k)
         dqp = dkp
     else:
         dq = dk = gc  # written by _bwd_reduce
         dqp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
     _bwd_out[(programs,)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkp, dqp, dq, dk, dg, plan.chunks, scale, g,
                           pa_ptr=pa, pd_ptr=pd, **_gate_args(gates, gc), BV=cfg.bv["bo"], MODE=mode("prod_bo"),
-                          TWO_PASS=opts.bo_two_pass, GLOOP=gloop, **common, num_warps=cfg.nw["bo"],
+                          TWO_PASS=opts.bo_two_pass, GLOOP=gloop, **strides, **common, num_warps=cfg.nw["bo"],
                           num_stages=stages(opts.stages_bo))
     cfg.mark("bwd_out")
     if G > 1 and not gloop:
         del hs, dhs, vn
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        dq, dk = _dense(q), _dense(k)
         bt = 32 if interp else opts.bt_red
-        _bwd_reduce[(triton.cdiv(TT, bt), H)](q, k, rq, rk, dqp, dkp, dq, dk, TT, H=H, HV=HV, K=K, BK=cfg.BK,
+        _bwd_reduce[(triton.cdiv(TT, bt), H)](q, k, rq, rk, dqp, dkp, dq, dk, TT, **strides, H=H, HV=HV, K=K, BK=cfg.BK,
                                               BT=bt, L2=L2, num_warps=warps(opts.warps_red))
         cfg.mark("bwd_reduce")
     return dq, dk, dv, dg, db, dh0, *_gate_grads(gates, pa, pd)

@@ -62,6 +62,10 @@ All sequences, batched or packed (``cu_seqlens``), go through one flattened toke
 sequences of length T is the packed batch with boundaries 0, T, 2T, ...; a chunk never crosses a
 sequence boundary.
 
+q, k and v are read with their own token strides (``sq``, ``sk``, ``sv``): the views the GDN layer passes (slices of
+its fused projection, each token's heads contiguous) are read in place, without copies. Every buffer the kernels
+write, the gradients of q, k and v included, is contiguous.
+
 The tunables (``ChunkOptions``) and the stage hook are arguments of a call, read once at its start (those of a
 ``configured`` block when it passes none); the autograd context keeps them, so the backward runs with the
 forward's.
@@ -80,6 +84,21 @@ from deltafuse.ops.gated_delta.gates import NONE, Gates
 __all__ = ["ChunkOptions", "DEFAULT_OPTIONS", "chunk_gated_delta_rule_triton", "configured", "options_in_effect"]
 
 
+def _qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: int) -> list[torch.Tensor]:
+    """q, k, v [B, T, heads, D] as [tokens, heads, D] for the kernels, which read any token stride as long as each
+    token's heads x D values are contiguous. Views of one tensor (the GDN layer's fused projection, q, k and v side
+    by side) are read in place, without copies: saving them for the backward holds no more than copies would. A view
+    of a tensor that q and k do not share (transformers <= 5.22 repeats q and k to the value heads, so only v is a
+    view) is copied, as anything else that is not contiguous: saving it would keep the whole tensor alive."""
+    rows = [x.reshape(tokens, *x.shape[-2:]) for x in (q, k, v)]
+    shared = len({r.untyped_storage().data_ptr() for r in rows}) == 1
+
+    def in_place(r: torch.Tensor) -> bool:
+        return r.is_contiguous() or (shared and r.stride(2) == 1 and (r.stride(1) == r.shape[2] or r.shape[1] == 1))
+
+    return [r if in_place(r) else r.contiguous() for r in rows]
+
+
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens, options,
@@ -87,9 +106,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         B, T, H, K = q.shape
         HV, V = v.shape[-2:]
         plan = launch.plan_for(B, T, cu_seqlens, q.device)
-        qf = q.reshape(B * T, H, K).contiguous()
-        kf = k.reshape(B * T, H, K).contiguous()
-        vf = v.reshape(B * T, HV, V).contiguous()
+        qf, kf, vf = _qkv_rows(q, k, v, B * T)
         gf = g.reshape(B * T, HV).contiguous()
         bf = beta.reshape(B * T, HV).contiguous()
         h0 = initial_state.contiguous() if initial_state is not None else None

@@ -66,7 +66,7 @@ def _l2norm_bwd(dy, x, r, L2: tl.constexpr):
 
 
 @triton.jit
-def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr, scale,
+def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr, scale, sq, sk,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
               X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
@@ -78,8 +78,8 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
         return
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
-    q = tl.load(q_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
-    k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+    q = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=mk, other=0.0)
+    k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=mk, other=0.0)
     rq = _rows(rq_ptr, tok, H, h, valid, L2)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
     gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
@@ -96,7 +96,7 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
 
 @triton.jit
 def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht_ptr, dhs_ptr, dvn_ptr, dh0_ptr,
-               cu_ptr, coff_ptr, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               cu_ptr, coff_ptr, scale, sq, sk, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, HAS_DHT: tl.constexpr,
                STORE_DH0: tl.constexpr, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """The reverse pass: dh at every chunk end into ``dhs``, the full dv' into ``dvn`` (which may be ``dvl``: each
@@ -108,12 +108,12 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
         tok, valid, mk, mv, tv_off, gc, gl, dec = state_chunk(rk_ptr, gc_ptr, bos + c * 64, eos, ck, cv, h, hv, H,
                                                               HV, K, V, L2)
         tl.store(dhs_ptr + ((coff + c) * HV + hv) * (K * V) + state_off, dst.to(dhs_ptr.dtype.element_ty), mask=mkv)
-        k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+        k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=mk, other=0.0)
         dvl = tl.load(dvl_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
         # dv' = dv_local + diag(rk exp(gl - gc)) k dh_next
         dvn = dvl + _dot_x(k, dst, X2, PREC, DT) * dec[:, None]
         tl.store(dvn_ptr + tv_off, dvn.to(dvn_ptr.dtype.element_ty), mask=mv)
-        q = tl.load(q_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+        q = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=mk, other=0.0)
         rq = _rows(rq_ptr, tok, H, h, valid, L2)
         do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)
@@ -125,7 +125,7 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
 
 @triton.jit
 def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, dv_ptr, db_ptr, dgc_ptr, dkp_ptr,
-            chunks_ptr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+            chunks_ptr, sk, sv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
             BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
             MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, BSIG: tl.constexpr,
             RECOMP_T: tl.constexpr, INV: tl.constexpr, GLOOP: tl.constexpr):
@@ -165,7 +165,7 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
         tok = tl.where(valid, start + tl.minimum(end - start, 64) - 1 - rows, start)
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
-    k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=mk, other=0.0)
+    k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=mk, other=0.0)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
     kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
     dk_sum = tl.zeros([64, BK], dtype=tl.float32)  # GLOOP only
@@ -196,7 +196,7 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
             st = tl.load(hs_ptr + st_base + ck[:, None] * V + cv[None, :],
                          mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
             dvn = tl.load(dvn_ptr + tv_off, mask=mv, other=0.0)
-            v = tl.load(v_ptr + tv_off, mask=mv, other=0.0)
+            v = tl.load(v_ptr + tok[:, None] * sv + hv * V + cv[None, :], mask=mv, other=0.0)
             dwa += tl.dot(dvn, tl.trans(st), input_precision=PREC)
             dT += tl.dot(dvn, tl.trans(v.to(dvn.dtype)), input_precision=PREC)  # columns scaled by beta below
             dY = _mix_a(Tt, dvn, MODE, PREC, DT)
@@ -243,7 +243,7 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
 
 @triton.jit
 def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_ptr, dgc_ptr, dkp_ptr, dqp_ptr,
-             dq_ptr, dk_ptr, dg_ptr, chunks_ptr, scale, g_ptr, alog_ptr, dtb_ptr, pa_ptr, pd_ptr,
+             dq_ptr, dk_ptr, dg_ptr, chunks_ptr, scale, g_ptr, alog_ptr, dtb_ptr, pa_ptr, pd_ptr, sq, sk,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
              MODE: tl.constexpr, TWO_PASS: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
@@ -278,7 +278,9 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
     last_row = tl.minimum(end - start, 64) - 1
     ck = tl.arange(0, BK)
     mk = valid[:, None] & (ck[None, :] < K)
-    qk_off = tok[:, None] * (H * K) + h * K + ck[None, :]
+    q_off = tok[:, None] * sq + h * K + ck[None, :]
+    k_off = tok[:, None] * sk + h * K + ck[None, :]
+    qk_off = tok[:, None] * (H * K) + h * K + ck[None, :]  # dq, dk (and dkp with GLOOP): [tokens, H, K]
     dq_sum = tl.zeros([64, BK], dtype=tl.float32)  # GLOOP only
     dk_sum = tl.zeros([64, BK], dtype=tl.float32)
     for gi in tl.static_range(G if GLOOP else 1):
@@ -307,8 +309,8 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
                 dkh += tl.dot(vn, tl.trans(dst), input_precision=PREC)
                 dgl += tl.sum(st.to(tl.float32) * dst.to(tl.float32), 1)
         # q, k and the per-row factors are loaded after the loop: they are not held in registers across it
-        q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
-        k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
+        q = tl.load(q_ptr + q_off, mask=mk, other=0.0)
+        k = tl.load(k_ptr + k_off, mask=mk, other=0.0)
         rq = _rows(rq_ptr, tok, H, h, valid, L2)
         rk = _rows(rk_ptr, tok, H, h, valid, L2)
         gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
@@ -361,8 +363,8 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
             tl.store(pd_ptr + pid_c * HV + hv, tl.sum(dg, 0))
         tl.store(dg_ptr + tok * HV + hv, dg.to(dg_ptr.dtype.element_ty), mask=valid)
     if GLOOP:  # the group's sums, finished; dkp holds the group's WY part [tokens, H, K]
-        q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
-        k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
+        q = tl.load(q_ptr + q_off, mask=mk, other=0.0)
+        k = tl.load(k_ptr + k_off, mask=mk, other=0.0)
         rq = _rows(rq_ptr, tok, H, h, valid, L2)
         rk = _rows(rk_ptr, tok, H, h, valid, L2)
         tl.store(dq_ptr + qk_off, _l2norm_bwd(dq_sum, q, rq, L2).to(dq_ptr.dtype.element_ty), mask=mk)
@@ -371,7 +373,7 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
 
 
 @triton.jit(do_not_specialize=["TT"])
-def _bwd_reduce(q_ptr, k_ptr, rq_ptr, rk_ptr, dqp_ptr, dkp_ptr, dq_ptr, dk_ptr, TT,
+def _bwd_reduce(q_ptr, k_ptr, rq_ptr, rk_ptr, dqp_ptr, dkp_ptr, dq_ptr, dk_ptr, TT, sq, sk,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                 L2: tl.constexpr):
     """dq and dk of one q/k head: the sum of the per-value-head partials of its G value heads, back through
@@ -391,8 +393,8 @@ def _bwd_reduce(q_ptr, k_ptr, rq_ptr, rk_ptr, dqp_ptr, dkp_ptr, dq_ptr, dk_ptr, 
         dk += tl.load(dkp_ptr + off, mask=mk, other=0.0).to(tl.float32)
     qk_off = tok[:, None] * (H * K) + h * K + ck[None, :]
     if L2:
-        q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
-        k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
+        q = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=mk, other=0.0)
+        k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=mk, other=0.0)
         dq = _l2norm_bwd(dq, q, _rows(rq_ptr, tok, H, h, valid, L2), L2)
         dk = _l2norm_bwd(dk, k, _rows(rk_ptr, tok, H, h, valid, L2), L2)
     tl.store(dq_ptr + qk_off, dq.to(dq_ptr.dtype.element_ty), mask=mk)

@@ -251,19 +251,18 @@ def state_chunk(rk_ptr, gc_ptr, start, eos, ck, cv, h, hv, H: tl.constexpr, HV: 
 
 
 @triton.jit
-def _l2norm_rstd(q_ptr, k_ptr, rq_ptr, rk_ptr, TT, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """rsqrt(|x|^2 + eps) per row of q and of k. Kernels scale products by these factors instead of
-    reading normalised copies, so the normalised rows are never rounded to 16 bits."""
+def _l2norm_rstd(q_ptr, k_ptr, rq_ptr, rk_ptr, TT, sq, sk, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """rsqrt(|x|^2 + eps) per row of q and of k (token strides ``sq`` and ``sk``). Kernels scale products by these
+    factors instead of reading normalised copies, so the normalised rows are never rounded to 16 bits."""
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     tok = pid_t.to(tl.int64) * 64 + tl.arange(0, 64)
     valid = tok < TT
     ck = tl.arange(0, BK)
     m = valid[:, None] & (ck[None, :] < K)
-    off = tok[:, None] * (H * K) + h * K + ck[None, :]
-    x = tl.load(q_ptr + off, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(rq_ptr + tok * H + h, 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6), mask=valid)
-    x = tl.load(k_ptr + off, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(rk_ptr + tok * H + h, 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6), mask=valid)
 
 
@@ -299,7 +298,7 @@ def gate_terms(g_ptr, alog_ptr, dtb_ptr, tok, valid, hv, HV: tl.constexpr, HAS_D
 
 @triton.jit
 def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv_ptr, chunks_ptr, alog_ptr, dtb_ptr,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               sk, sv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, STORE_T: tl.constexpr,
                MODE: tl.constexpr, INV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                GATE: tl.constexpr, HAS_DT: tl.constexpr, BSIG: tl.constexpr):
@@ -325,8 +324,7 @@ def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv
     if BSIG:
         b = tl.where(valid, sigmoid(b), 0.0)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
-    k = tl.load(k_ptr + tok[:, None] * (H * K) + h * K + ck[None, :],
-                mask=valid[:, None] & (ck[None, :] < K), other=0.0)
+    k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=valid[:, None] & (ck[None, :] < K), other=0.0)
     kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
     Tm = _unit_lower_inverse(kk * _chunk_decay(gc, valid, True) * b[:, None], PREC, INV)
     if STORE_T:
@@ -340,13 +338,13 @@ def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv
     for vb in range(tl.cdiv(V, BV)):
         cv = vb * BV + tl.arange(0, BV)
         mv = valid[:, None] & (cv[None, :] < V)
-        v = tl.load(v_ptr + tok[:, None] * (HV * V) + hv * V + cv[None, :], mask=mv, other=0.0)
+        v = tl.load(v_ptr + tok[:, None] * sv + hv * V + cv[None, :], mask=mv, other=0.0)
         u = _dot_ma(Tb, v, tl.zeros([64, BV], dtype=tl.float32), MODE, PREC, DT)
         tl.store(u_ptr + tok[:, None] * (HV * V) + hv * V + cv[None, :], u.to(u_ptr.dtype.element_ty), mask=mv)
 
 
 @triton.jit
-def _state_fwd(k_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr,
+def _state_fwd(k_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_ptr, vn_ptr, ht_ptr, cu_ptr, coff_ptr, sk,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                WH: tl.constexpr, KV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
@@ -365,7 +363,7 @@ def _state_fwd(k_ptr, rk_ptr, w_ptr, u_ptr, gc_ptr, h0_ptr, hs_ptr, vn_ptr, ht_p
         vn = u - _dot_m(w, st, tl.zeros([64, BV], dtype=tl.float32), WH, PREC, DT)
         tl.store(vn_ptr + tv_off, vn.to(vn_ptr.dtype.element_ty), mask=mv)
         # k transposed on load (no tl.trans of a tile)
-        kt = tl.load(k_ptr + tok[None, :] * (H * K) + h * K + ck[:, None], mask=(ck[:, None] < K) & valid[None, :],
+        kt = tl.load(k_ptr + tok[None, :] * sk + h * K + ck[:, None], mask=(ck[:, None] < K) & valid[None, :],
                      other=0.0)
         # h_next = exp(gl) h + k^T diag(rk exp(gl - gc)) v'
         st = _dot_m(kt, vn * dec[:, None], st * tl.exp(gl), KV, PREC, DT)

@@ -16,7 +16,7 @@ from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_m, _dot_ma, 
 
 
 @triton.jit
-def _out_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks_ptr, scale,
+def _out_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks_ptr, scale, sq, sk,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
              QH: tl.constexpr, SV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
@@ -40,10 +40,10 @@ def _out_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks
     s = tl.zeros([64, 64], dtype=tl.float32)
     for kb in range(tl.cdiv(K, BK)):
         ck = kb * BK + tl.arange(0, BK)
-        q = tl.load(q_ptr + tok[:, None] * (H * K) + h * K + ck[None, :], mask=valid[:, None] & (ck[None, :] < K),
+        q = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=valid[:, None] & (ck[None, :] < K),
                     other=0.0)
         # k transposed on load (no tl.trans of a tile)
-        kt = tl.load(k_ptr + tok[None, :] * (H * K) + h * K + ck[:, None], mask=(ck[:, None] < K) & valid[None, :],
+        kt = tl.load(k_ptr + tok[None, :] * sk + h * K + ck[:, None], mask=(ck[:, None] < K) & valid[None, :],
                      other=0.0)
         hst = tl.load(h_base + ck[:, None] * V + cv[None, :], mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
         if hst.dtype == tl.float32:

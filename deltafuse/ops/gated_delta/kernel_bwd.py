@@ -60,6 +60,25 @@ def _l2norm_bwd(dy, x, r, L2: tl.constexpr):
         return dy
 
 
+@triton.jit
+def _chunk_head(H: tl.constexpr, HV: tl.constexpr, GLOOP: tl.constexpr):
+    """(chunk, q/k head, value head) of a program of ``_bwd_wy`` or ``_bwd_out``, on one grid axis with the value
+    heads fastest, so that the value heads of one q/k head read the same q/k rows back to back. GLOOP: one program
+    per chunk and q/k head, which runs the G value heads sharing it in turn (the value head returned is the
+    first of them)."""
+    pid = tl.program_id(0)
+    G: tl.constexpr = HV // H
+    if GLOOP:
+        h = pid % H
+        c = pid // H
+        hv = h * G
+    else:
+        hv = pid % HV
+        c = pid // HV
+        h = hv // G
+    return c, h, hv
+
+
 # --------------------------------------------------------------------------------------------------
 # backward kernels
 # --------------------------------------------------------------------------------------------------
@@ -145,17 +164,8 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     GLOOP: one program per chunk and q/k head runs the G value heads that share it, one after another, and writes
     the sum of their WY parts of dkhat to ``dkp`` laid out [tokens, H, K] (else one program per value head, dkp
     [tokens, HV, K])."""
-    # one grid axis, value heads fastest: the value heads of one q/k head read the same k rows back to back
-    # (GLOOP: one program per chunk and q/k head runs its G value heads one after another)
-    pid = tl.program_id(0)
+    pid_c, h, hv0 = _chunk_head(H, HV, GLOOP)
     G: tl.constexpr = HV // H
-    if GLOOP:
-        h = pid % H
-        pid_c = pid // H
-    else:
-        hv0 = pid % HV
-        pid_c = pid // HV
-        h = hv0 // G
     start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
     if start >= end:  # an empty row of a device-built chunk table (chunk_launch.DevicePlan)
         return
@@ -170,10 +180,7 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
     dk_sum = tl.zeros([64, BK], dtype=tl.float32)  # GLOOP only
     for gi in tl.static_range(G if GLOOP else 1):
-        if GLOOP:
-            hv = h * G + gi
-        else:
-            hv = hv0
+        hv = hv0 + gi
         gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
         b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
         if BSIG:
@@ -262,15 +269,8 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
     TWO_PASS: two passes over the value blocks, the first for dq (reading do, h, v'), the second for dk (reading
     v', dh, h again), so one [64, BK] fp32 accumulator is live at a time instead of two.
     """
-    pid = tl.program_id(0)
+    pid_c, h, hv0 = _chunk_head(H, HV, GLOOP)
     G: tl.constexpr = HV // H
-    if GLOOP:
-        h = pid % H
-        pid_c = pid // H
-    else:
-        hv0 = pid % HV
-        pid_c = pid // HV
-        h = hv0 // G
     start, end, tok, valid = chunk_tokens(chunks_ptr, pid_c)
     if start >= end:  # an empty row of a device-built chunk table (chunk_launch.DevicePlan)
         return
@@ -284,10 +284,7 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
     dq_sum = tl.zeros([64, BK], dtype=tl.float32)  # GLOOP only
     dk_sum = tl.zeros([64, BK], dtype=tl.float32)
     for gi in tl.static_range(G if GLOOP else 1):
-        if GLOOP:
-            hv = h * G + gi
-        else:
-            hv = hv0
+        hv = hv0 + gi
         part_off = tok[:, None] * (HV * K) + hv * K + ck[None, :]
         dqi = tl.zeros([64, BK], dtype=tl.float32)
         dkh = tl.zeros([64, BK], dtype=tl.float32)

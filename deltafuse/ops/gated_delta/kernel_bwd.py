@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _rows, _unit_lower_inverse,
+from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _row_rstd, _rows, _unit_lower_inverse,
                                                 chunk_tokens, gate_terms, sequence_program, sigmoid, state_chunk,
                                                 state_tile)
 
@@ -89,6 +89,8 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
               X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """The in-chunk part of dv' for one chunk and value head; with L2 also q's l2norm factors of the chunk's rows
+    (into ``rq``, once per q/k head, for the kernels that follow)."""
     pid_c = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // (HV // H)
@@ -99,7 +101,12 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
     mk = valid[:, None] & (ck[None, :] < K)
     q = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=mk, other=0.0)
     k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=mk, other=0.0)
-    rq = _rows(rq_ptr, tok, H, h, valid, L2)
+    if L2:
+        rq = _row_rstd(q, valid)
+        if hv % (HV // H) == 0:
+            tl.store(rq_ptr + tok * H + h, rq, mask=valid)
+    else:
+        rq = tl.where(valid, 1.0, 0.0)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
     gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
     # st[j, i] = (khat_j . qhat_i) exp(gc_i - gc_j) for i >= j: the transposed intra-chunk attention

@@ -656,8 +656,9 @@ V2_SWITCHES = [
 @pytest.mark.parametrize("G,l2", [(2, True), (1, False)], ids=["G2_l2", "G1_nol2"])
 def test_bwd_v2_switches_fp16(G, l2):
     """Every value of each backward switch on fp16 inputs: every gradient within 2e-3 of float64 (split products
-    with fp32 partials land at 2e-4 to 5e-4 here), and dk (which every switch reaches) not bit-equal to that of
-    split products with fp32 partials, so the switch took effect."""
+    with fp32 partials land at 2e-4 to 5e-4 here), dg and dbeta within 5e-3 (their long tail, see
+    test_intra_options_fp16: 60 draws here reached 1.6e-3 in dg under every switch alike), and dk (which every
+    switch reaches) not bit-equal to that of split products with fp32 partials, so the switch took effect."""
     H = 1 if G == 2 else 2
     cu = [0, 1, 70]
     xs, cu_t = make_inputs(1, 70, H, H * G, 16, 16, dtype=torch.float16, h0=True, cu=cu, l2=l2)
@@ -672,7 +673,8 @@ def test_bwd_v2_switches_fp16(G, l2):
         for n, grad in grads.items():
             assert grad.dtype == xs[n].dtype and torch.isfinite(grad).all(), (switches, n)
             e, m = rel_rms(grad, ref[n].grad), rel_max(grad, ref[n].grad)
-            assert e <= 2e-3 and m <= 4e-2, f"{switches} d{n}: rel rms {e:.2e}, max {m:.2e}"
+            tol = 5e-3 if n in ("g", "beta") else 2e-3
+            assert e <= tol and m <= 20 * tol, f"{switches} d{n}: rel rms {e:.2e}, max {m:.2e}"
         if switches:
             assert not torch.equal(grads["k"], base["k"]), f"{switches} changed nothing"
 

@@ -184,7 +184,8 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     mk = valid[:, None] & (ck[None, :] < K)
     k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=mk, other=0.0)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
-    kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
+    if RECOMP_T:  # needed for T first (else formed after the V loop, not held across it)
+        kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
     dk_sum = tl.zeros([64, BK], dtype=tl.float32)  # GLOOP only
     for gi in tl.static_range(G if GLOOP else 1):
         hv = hv0 + gi
@@ -232,6 +233,7 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
             dA = tl.where(up, dA * tl.exp(tl.where(up, gc[:, None] - gc[None, :], 0.0)), 0.0)
         else:
             dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0) * _chunk_decay(gc, valid, True)
+            kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
         dAk = dA * kk
         db += tl.sum(dAk, 1)
         qa = dAk * b[:, None]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _row_rstd, _rows, _unit_lower_inverse,
-                                                chunk_tokens, gate_terms, sequence_program, sigmoid, state_chunk,
-                                                state_tile)
+from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _row_factors, _rows,
+                                                _unit_lower_inverse, chunk_tokens, gate_terms, sequence_program,
+                                                sigmoid, state_chunk, state_tile)
 
 # --------------------------------------------------------------------------------------------------
 # backward device helpers
@@ -101,12 +101,7 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
     mk = valid[:, None] & (ck[None, :] < K)
     q = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=mk, other=0.0)
     k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=mk, other=0.0)
-    if L2:
-        rq = _row_rstd(q, valid)
-        if hv % (HV // H) == 0:
-            tl.store(rq_ptr + tok * H + h, rq, mask=valid)
-    else:
-        rq = tl.where(valid, 1.0, 0.0)
+    rq = _row_factors(q, valid, rq_ptr, tok, H, h, hv % (HV // H) == 0, L2)  # stored once per q/k head
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
     gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
     # st[j, i] = (khat_j . qhat_i) exp(gc_i - gc_j) for i >= j: the transposed intra-chunk attention
@@ -228,9 +223,8 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
         dk = dx * beg[:, None]
         # dA = -T^T dT T^T on the strict lower triangle;  A = diag(beta) (khat khat^T o decay)
         dA = -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC)
-        if RECOMP_T:  # reversed rows: A's strict lower triangle is the strict upper one, its decay exp(gc_r - gc_j)
-            up = (rows[:, None] < rows[None, :]) & valid[:, None] & valid[None, :]
-            dA = tl.where(up, dA * tl.exp(tl.where(up, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        if RECOMP_T:  # reversed rows: dA's triangle is the strict upper one, its decay that of A' transposed
+            dA = dA * tl.trans(_chunk_decay(-gc, valid, True))  # elementwise (a transpose only a dot must avoid)
         else:
             dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0) * _chunk_decay(gc, valid, True)
             kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]

@@ -176,12 +176,25 @@ def _dot_ma(a, b, acc, MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr)
 
 
 @triton.jit
-def _row_rstd(x, valid):
-    """The l2norm factors rsqrt(|x|^2 + eps) of the rows of a loaded [64, BK] tile of q or k (0 past the sequence).
-    Kernels scale products by them instead of reading normalised copies, so normalised rows are never rounded to
-    16 bits; the kernel that loads a chunk's rows first computes them (and stores them for the later kernels)."""
-    xf = x.to(tl.float32)
-    return tl.where(valid, 1.0 / tl.sqrt(tl.sum(xf * xf, 1) + 1e-6), 0.0)
+def _rstd(sumsq, valid):
+    """The l2norm factor rsqrt(|x|^2 + eps) of rows from their sums of squares (0 past the sequence)."""
+    return tl.where(valid, 1.0 / tl.sqrt(sumsq + 1e-6), 0.0)
+
+
+@triton.jit
+def _row_factors(x, valid, r_ptr, tok, H: tl.constexpr, h, STORE, L2: tl.constexpr):
+    """The l2norm factors of the rows of a loaded [64, BK] tile of q or k (ones without L2), stored into ``r_ptr``
+    [tokens, H] when STORE (one program per q/k head). Kernels scale products by them instead of reading
+    normalised copies, so normalised rows are never rounded to 16 bits; the first kernel that loads a chunk's rows
+    computes and stores them for the later kernels."""
+    if L2:
+        xf = x.to(tl.float32)
+        r = _rstd(tl.sum(xf * xf, 1), valid)
+        if STORE:
+            tl.store(r_ptr + tok * H + h, r, mask=valid)
+    else:
+        r = tl.where(valid, 1.0, 0.0)
+    return r
 
 
 @triton.jit
@@ -318,12 +331,7 @@ def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv
     if BSIG:
         b = tl.where(valid, sigmoid(b), 0.0)
     k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=valid[:, None] & (ck[None, :] < K), other=0.0)
-    if L2:  # k's l2norm factors, stored once per q/k head for the later kernels
-        rk = _row_rstd(k, valid)
-        if hv % (HV // H) == 0:
-            tl.store(rk_ptr + tok * H + h, rk, mask=valid)
-    else:
-        rk = tl.where(valid, 1.0, 0.0)
+    rk = _row_factors(k, valid, rk_ptr, tok, H, h, hv % (HV // H) == 0, L2)  # stored once per q/k head
     kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
     Tm = _unit_lower_inverse(kk * _chunk_decay(gc, valid, True) * b[:, None], PREC, INV)
     if STORE_T:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_m, _dot_ma, _rows, chunk_tokens
+from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_m, _dot_ma, _rows, _rstd, chunk_tokens
 
 
 @triton.jit
@@ -57,8 +57,8 @@ def _out_fwd(q_ptr, k_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks_ptr, sc
             qf = q.to(tl.float32)
             qsq += tl.sum(qf * qf, 1)
     gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
-    if L2:  # as _row_rstd, summed over the K blocks
-        rq = tl.where(valid, 1.0 / tl.sqrt(qsq + 1e-6), 0.0)
+    if L2:  # from q's sums of squares over the K blocks
+        rq = _rstd(qsq, valid)
     else:
         rq = tl.where(valid, 1.0, 0.0)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)

@@ -495,9 +495,8 @@ OUT_CASES = [(torch.float32, "x2", "x2"), (torch.float32, "tf32", "x2"),
 @pytest.mark.parametrize("store,qh,sv", OUT_CASES, ids=[f"{str(c[0])[6:]}-qh_{c[1]}-sv_{c[2]}" for c in OUT_CASES])
 def test_fwd_v2_output_kernel(store, qh, sv):
     """The output kernel alone (fp16 q/k, fp32 output buffer filled with NaN) against its formula in float64 on
-    the same stored states and v', with q's l2norm factors, which the kernel computes over its two K blocks: "x2" /
-    "tf32" products are near-exact, "16" costs the 16-bit rounding of the fp32 operand (q h with fp32 states; the
-    scores with 16-bit v') and no more."""
+    the same stored states and v': "x2" / "tf32" products are near-exact, "16" costs the 16-bit rounding of the
+    fp32 operand (q h with fp32 states; the scores with 16-bit v') and no more."""
     gen = torch.Generator().manual_seed(torch.seed() % (2**31))
     H, HV, K, V = 1, 2, 32, 32
     bounds = [0, 1, 65, 130]
@@ -505,7 +504,7 @@ def test_fwd_v2_output_kernel(store, qh, sv):
     plan = chunk_launch.Plan(bounds, torch.device("cpu"))
     q = torch.randn(TT, H, K, generator=gen).half()
     k = torch.randn(TT, H, K, generator=gen).half()
-    rq = 1.0 / (q.double().square().sum(-1) + 1e-6).sqrt()  # the kernel computes q's l2norm factors itself
+    rq = torch.rand(TT, H, generator=gen) + 0.05
     rk = torch.rand(TT, H, generator=gen) + 0.05
     g = -torch.nn.functional.softplus(torch.randn(TT, HV, generator=gen))
     gc = torch.empty(TT, HV)
@@ -517,7 +516,7 @@ def test_fwd_v2_output_kernel(store, qh, sv):
     opts = chunk_mod.ChunkOptions(fwd_prod_qh=qh, fwd_prod_sv=sv, bv_out=16, bk_out=16)
     cfg = chunk_launch.PassConfig(torch.float16, K, V, "fwd", opts)
     fc = chunk_launch.ForwardConfig(cfg, False, K, V)
-    chunk_launch.output(q, k, rk, gc, hs, vn, o, plan, 0.3, cfg, fc, True)
+    chunk_launch.output(q, k, rq, rk, gc, hs, vn, o, plan, 0.3, cfg, fc, True)
     ref = _out_reference(q, k, rq, rk, gc, hs, vn, plan.chunks, 0.3)
     assert torch.isfinite(o).all()
     err = rel_rms(o, ref)
@@ -690,7 +689,7 @@ def test_backward_runs_with_the_forward_options_and_stage_hook():
     a, b = chunk_mod.ChunkOptions(**V2_BASE), chunk_mod.DEFAULT_OPTIONS
     want, other = _v2_grads(xs, cu_t, do, dht, True, a), _v2_grads(xs, cu_t, do, dht, True, b)
     assert not torch.equal(want["k"], other["k"])  # the two option sets give different dk
-    backward_stages = ["intra", "state", "dv_local", "state_bwd", "bwd_wy", "bwd_out", "bwd_reduce"]
+    backward_stages = ["l2norm", "intra", "state", "dv_local", "state_bwd", "bwd_wy", "bwd_out", "bwd_reduce"]
     for how in ("configured", "arguments"):
         seen_a, seen_b = [], []
         ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
@@ -700,7 +699,7 @@ def test_backward_runs_with_the_forward_options_and_stage_hook():
                 o, ht = chunk_gated_delta_rule_triton(*args)
         else:
             o, ht = chunk_gated_delta_rule_triton(*args, options=a, stage_hook=seen_a.append)
-        assert seen_a == ["intra", "state", "out"], how
+        assert seen_a == ["l2norm", "intra", "state", "out"], how
         del seen_a[:]
         with chunk_mod.configured(b, stage_hook=seen_b.append):
             assert chunk_mod.options_in_effect() is b
@@ -1047,3 +1046,56 @@ def test_a_lone_view_is_copied_not_held():
     assert runs[0][2] != wide.untyped_storage().data_ptr()
     assert torch.equal(runs[0][0], runs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("B,T,cu", [(1, 1100, None), (1, 1000, [0, 1, 300, 700, 1000]), (2, 500, None)],
+                         ids=["T1100", "varlen", "B2"])
+@pytest.mark.parametrize("group_loop", [False, True], ids=["per_value_head", "group_loop"])
+def test_qkv_read_in_place_bf16_gpu(B, T, cu, group_loop):
+    """The in-place read of q, k and v from one fused bf16 projection compiled for the GPU, at Qwen3.5 heads
+    (H=16, HV=32, D=128, l2norm in the kernel): the tensors saved for the backward are views of the fused one;
+    o, the final state and every gradient are within the bf16 bounds of float64, and within the same bounds of
+    the same call on contiguous copies (not bit-equal: the compiler may lay out and reduce a strided tile in
+    another order, which moves single elements by an ulp)."""
+    H, HV, D = 16, 32, 128
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    fused = r(B, T, 2 * H * D + HV * D + 8).to(DEVICE, torch.bfloat16)
+    g = (-torch.nn.functional.softplus(r(B, T, HV) * 1.5 - 0.5)).to(DEVICE, torch.bfloat16)
+    beta = torch.sigmoid(r(B, T, HV)).to(DEVICE, torch.bfloat16)
+    s0 = r(B if cu is None else len(cu) - 1, HV, D, D).to(DEVICE)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE) if cu is not None else None
+    do, dht = r(B, T, HV, D).to(DEVICE, torch.bfloat16), r(*s0.shape).to(DEVICE)
+
+    def views(f):
+        return (f[..., :H * D].unflatten(-1, (H, D)), f[..., H * D:2 * H * D].unflatten(-1, (H, D)),
+                f[..., 2 * H * D:2 * H * D + HV * D].unflatten(-1, (HV, D)))
+
+    runs = []
+    for how in ("in_place", "contiguous", "float64"):
+        dtype = torch.float64 if how == "float64" else None
+        f = fused.detach().to(dtype or fused.dtype).requires_grad_()
+        leaves = [x.detach().to(dtype or x.dtype).requires_grad_() for x in (g, beta, s0)]
+        parts = tuple(p.contiguous() for p in views(f)) if how == "contiguous" else views(f)
+        if how == "float64":
+            o, ht = naive_gated_delta_rule(*parts, *leaves[:2], D**-0.5, leaves[2], True, True, cu_t)
+        else:
+            with chunk_mod.configured(chunk_mod.ChunkOptions(bwd_group_loop=group_loop)):
+                o, ht = chunk_gated_delta_rule_triton(*parts, *leaves[:2], D**-0.5, leaves[2], True, True, cu_t)
+            if how == "in_place":
+                assert all(t.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+                           for t in o.grad_fn.saved_tensors[:3])
+        ((o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()).backward()
+        runs.append(dict(o=o, ht=ht, dfused=f.grad, dg=leaves[0].grad, dbeta=leaves[1].grad, dh0=leaves[2].grad))
+    got, contiguous, want = runs
+    bounds = dict(o=3e-3, ht=3e-3, dfused=5e-3, dg=1e-2, dbeta=1e-2, dh0=5e-3)
+    errs = {n: (rel_rms(got[n], want[n]), rel_rms(got[n], contiguous[n])) for n in bounds}
+    print(f"[gdn in place] B={B} T={T} rel rms to float64 / to contiguous:",
+          ", ".join(f"{n} {a:.1e}/{b:.1e}" for n, (a, b) in errs.items()))
+    for n, (to_ref, to_contiguous) in errs.items():
+        assert torch.isfinite(got[n]).all(), n
+        bound = bounds[n]
+        assert to_ref <= bound and to_contiguous <= bound, f"{n}: {to_ref:.2e} from float64, {to_contiguous:.2e}"
+    assert not got["dfused"][..., 2 * H * D + HV * D:].any()  # the spare columns get no gradient

@@ -19,7 +19,7 @@ from deltafuse.ops._checks import host_offsets, known_host_offsets
 from deltafuse.ops.gated_delta.chunk_options import INV_MODES, PROD_MODES, ChunkOptions, StageHook
 from deltafuse.ops.gated_delta.gates import NONE, Gates
 from deltafuse.ops.gated_delta.kernel_bwd import _bwd_out, _bwd_reduce, _bwd_wy, _dv_local, _state_bwd
-from deltafuse.ops.gated_delta.kernel_fwd import _intra_fwd, _state_fwd
+from deltafuse.ops.gated_delta.kernel_fwd import _intra_fwd, _l2norm_rstd, _state_fwd
 from deltafuse.ops.gated_delta.kernel_out import _out_fwd
 
 BT = 64  # chunk length; the in-chunk inverse (kernel_fwd._unit_lower_inverse) is written for 4 blocks of 16
@@ -169,10 +169,19 @@ class PassConfig:
             self.stage_hook(name)
 
 
-def _row_factors(x: torch.Tensor, L2: bool) -> torch.Tensor | None:
-    """The buffer [tokens, heads] for the l2norm factors rsqrt(|x|^2 + eps) of x's rows (None when the l2norm is
-    off). No kernel of its own fills it: _intra_fwd writes k's, _dv_local q's, from the rows they load anyway."""
-    return torch.empty(x.shape[:2], device=x.device, dtype=torch.float32) if L2 else None
+def _rstd(q, k, L2, cfg):
+    """rsqrt(|x|^2 + eps) per row of q and k, or (None, None) when the l2norm is off."""
+    if not L2:
+        return None, None
+    TT, H, K = q.shape
+    rq = torch.empty(TT, H, device=q.device, dtype=torch.float32)
+    rk = torch.empty(TT, H, device=q.device, dtype=torch.float32)
+    if TT:
+        _l2norm_rstd[(triton.cdiv(TT, 64), H)](q, k, rq, rk, TT, q.stride(0), k.stride(0), H=H, K=K,
+                                               BK=max(16, triton.next_power_of_2(K)),
+                                               num_warps=1 if _interpreting() else 4)
+    cfg.mark("l2norm")
+    return rq, rk
 
 
 def _dense(x: torch.Tensor, make=torch.empty) -> torch.Tensor:
@@ -196,9 +205,8 @@ def _gate_grads(gates: Gates, pa: torch.Tensor, pd: torch.Tensor) -> tuple:
 
 
 def prepare(k, rk, v, g, beta, plan, cfg, L2, store_t, gates: Gates = NONE):
-    """gc (the in-chunk cumulative gate, fp32), w, u and T (when ``store_t``) of every chunk, and with ``L2`` k's
-    l2norm factors into ``rk``; with ``gates``, g and beta are raw (see gates.py) and the kernel computes the gate
-    and beta from them."""
+    """gc (the in-chunk cumulative gate, fp32), w, u and T (when ``store_t``) of every chunk; with ``gates``, g
+    and beta are raw (see gates.py) and the kernel computes the gate and beta from them."""
     TT, H, K = k.shape
     HV, V = v.shape[-2:]
     dev = k.device
@@ -273,15 +281,15 @@ def state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, L2):
     cfg.mark("state")
 
 
-def output(q, k, rk, gc, hs, vn, o, plan, scale, cfg, fc, L2):
-    """o = scale ((q rq exp(gc)) h + lower_incl(q k^T rq rk D) v') for every chunk, written into ``o`` (q's l2norm
-    factors rq computed by the kernel)."""
+def output(q, k, rq, rk, gc, hs, vn, o, plan, scale, cfg, fc, L2):
+    """o = scale ((q rq exp(gc)) h + lower_incl(q k^T rq rk D) v') for every chunk, written into ``o``."""
     TT, H, K = q.shape
     HV, V = vn.shape[-2:]
     if plan.NC:
         _out_fwd[(plan.NC * HV * triton.cdiv(V, fc.bv_out),)](
-            q, k, rk if L2 else gc, gc, hs, vn, o, plan.chunks, scale, sq=q.stride(0), sk=k.stride(0), H=H, HV=HV,
-            K=K, V=V, BK=fc.bk_out, BV=fc.bv_out, L2=L2, QH=fc.QH, SV=fc.SV, PREC=cfg.PREC, DT=cfg.DT,
+            q, k, rq if L2 else gc, rk if L2 else gc, gc, hs, vn, o, plan.chunks, scale, sq=q.stride(0),
+            sk=k.stride(0), H=H, HV=HV, K=K, V=V,
+            BK=fc.bk_out, BV=fc.bv_out, L2=L2, QH=fc.QH, SV=fc.SV, PREC=cfg.PREC, DT=cfg.DT,
             num_warps=fc.nw_out, num_stages=fc.stages_out)
     cfg.mark("out")
     return o
@@ -294,15 +302,15 @@ def forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan, options: ChunkOption
     TT, H, K = q.shape
     HV, V = v.shape[-2:]
     cfg, fc = configs(q.dtype, K, V, "fwd", options, stage_hook)
-    rk = _row_factors(k, L2)
+    rq, rk = _rstd(q, k, L2, cfg)
     gc, w, u, _ = prepare(k, rk, v, g, beta, plan, cfg, L2, False, gates)
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=q.device, dtype=cfg.store)
     ht = torch.empty(plan.N, HV, K, V, device=q.device, dtype=torch.float32) if want_ht else None
     # v' is written over u (same dtype and layout; each program reads its u tile before writing it)
     state_pass(k, rk, w, u, gc, h0, hs, u, ht, plan, cfg, fc, L2)
     del w
-    o = output(q, k, rk, gc, hs, u, torch.empty(TT, HV, V, device=q.device, dtype=q.dtype), plan, scale, cfg, fc,
-               L2)
+    o = output(q, k, rq, rk, gc, hs, u, torch.empty(TT, HV, V, device=q.device, dtype=q.dtype), plan, scale,
+                cfg, fc, L2)
     del hs, u  # the chunk states and v' go as soon as o is written; the backward recomputes them
     return o, ht
 
@@ -335,7 +343,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
 
     common = dict(H=H, HV=HV, K=K, V=V, BK=cfg.BK, L2=L2, PREC=cfg.PREC, DT=cfg.DT)
     strides = dict(sq=q.stride(0), sk=k.stride(0))  # q, k and v may be row views of a wider tensor (kernel.py)
-    rq, rk = _row_factors(q, L2), _row_factors(k, L2)  # k's filled by prepare, q's by _dv_local
+    rq, rk = _rstd(q, k, L2, cfg)
     gc, w, u, tinv = prepare(k, rk, v, g, beta, plan, cfg, L2, not opts.wy_recompute_t, gates)
     rq, rk = (rq, rk) if L2 else (gc, gc)
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
@@ -359,7 +367,8 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     stages_sbwd = 1 if (interp or cfg.store == torch.float32) else opts.stages_sbwd
     _state_bwd[(triton.cdiv(V, bv_sbwd) * plan.N * HV,)](
         q, k, rq, rk, w, gc, do, dvl, dht if dht is not None else gc, dhs, dvn, dh0 if need_dh0 else gc, plan.cu,
-        plan.coff, scale, BV=bv_sbwd, HAS_DHT=dht is not None, STORE_DH0=need_dh0, X2=cfg.X2, **strides, **common,
+        plan.coff, scale, SQ=strides["sq"], SK=strides["sk"], BV=bv_sbwd, HAS_DHT=dht is not None,
+        STORE_DH0=need_dh0, X2=cfg.X2, **common,
         num_warps=warps(opts.warps_sbwd), num_stages=stages_sbwd)
     cfg.mark("state_bwd")
     del w, dvl  # (dvl is dvn now)

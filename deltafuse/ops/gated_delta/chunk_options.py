@@ -84,6 +84,8 @@ class ChunkOptions:
     # bwd_group_loop: with several value heads per q/k head, _bwd_wy and _bwd_out run one program per chunk and q/k
     # head that takes its value heads in turn: _bwd_out finishes dq and dk, with no dq partials (one [tokens, HV, K]
     # buffer), dk partials per q/k head instead of per value head, and no _bwd_reduce; G times fewer programs.
+    # Both are off: on the H200 together they lower the backward's peak at 1x65,536 from 4.53 to 4.03 GiB above
+    # the inputs but take its forward+backward from 21.4 to 31.8 ms (BENCHMARKS.md, session 20).
     bwd_partials: str = "input"
     prod_wy: str = "16"
     prod_bo: str = "16"

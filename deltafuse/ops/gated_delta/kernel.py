@@ -13,14 +13,12 @@ It is evaluated over chunks of ``BT = 64`` tokens (the WY / UT-transform form). 
     o  = scale ((q exp(gc)) h + lower_incl(q k^T o D) v')
     h_next = exp(gc_last) h + (k exp(gc_last - gc))^T v'
 
-Kernels (grid axes in brackets; the first two in ``kernel_fwd.py``, ``_out_fwd`` in ``kernel_out.py``, the
+Kernels (grid axes in brackets; the first three in ``kernel_fwd.py``, ``_out_fwd`` in ``kernel_out.py``, the
 others in ``kernel_bwd.py``; their launches in ``chunk_launch.py``, their tunables in ``chunk_options.py``):
 
-The l2norm (``use_qk_l2norm_in_kernel``) is never applied to stored copies: the kernels read q and k as given and
-scale their products by the rows' factors rsqrt(|x|^2 + eps), so normalised rows are never rounded to 16 bits.
-``_intra_fwd`` computes k's factors from the rows it loads and stores them for the later kernels; ``_out_fwd``
-computes q's itself; in the backward ``_dv_local`` computes and stores q's. No kernel runs for them alone.
-
+* ``_l2norm_rstd`` [token block, q/k head]: the l2norm factors rsqrt(|x|^2 + eps) of q and k rows. The
+  other kernels read q and k as given and apply these factors to their products, so normalised rows are
+  never rounded to 16 bits or stored.
 * ``_intra_fwd``   [chunk, value head]: gc, A, T, w, u (and T itself for the backward's ``_bwd_wy``, unless
   ``ChunkOptions.wy_recompute_t`` has that kernel invert it again).
 * ``_state_fwd``   [V block x sequence x value head, one axis]: the sequential pass over chunks with the state in

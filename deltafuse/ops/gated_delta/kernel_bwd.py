@@ -9,9 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _row_factors, _rows,
-                                                _unit_lower_inverse, chunk_tokens, gate_terms, sequence_program,
-                                                sigmoid, state_chunk, state_tile)
+from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _rows, _unit_lower_inverse,
+                                                chunk_tokens, gate_terms, sequence_program, sigmoid, state_chunk,
+                                                state_tile)
 
 # --------------------------------------------------------------------------------------------------
 # backward device helpers
@@ -89,8 +89,6 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
               X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """The in-chunk part of dv' for one chunk and value head; with L2 also q's l2norm factors of the chunk's rows
-    (into ``rq``, once per q/k head, for the kernels that follow)."""
     pid_c = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // (HV // H)
@@ -101,7 +99,7 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
     mk = valid[:, None] & (ck[None, :] < K)
     q = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=mk, other=0.0)
     k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=mk, other=0.0)
-    rq = _row_factors(q, valid, rq_ptr, tok, H, h, hv % (HV // H) == 0, L2)  # stored once per q/k head
+    rq = _rows(rq_ptr, tok, H, h, valid, L2)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
     gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
     # st[j, i] = (khat_j . qhat_i) exp(gc_i - gc_j) for i >= j: the transposed intra-chunk attention
@@ -117,11 +115,16 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
 
 @triton.jit
 def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht_ptr, dhs_ptr, dvn_ptr, dh0_ptr,
-               cu_ptr, coff_ptr, scale, sq, sk, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, HAS_DHT: tl.constexpr,
-               STORE_DH0: tl.constexpr, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+               cu_ptr, coff_ptr, scale, SQ: tl.constexpr, SK: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+               HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """The reverse pass: dh at every chunk end into ``dhs``, the full dv' into ``dvn`` (which may be ``dvl``: each
-    program reads a chunk's dv_local tile before it writes the same elements) and the initial-state gradient."""
+    program reads a chunk's dv_local tile before it writes the same elements) and the initial-state gradient.
+
+    The token strides of q and k are compile-time constants here (one compilation per layout: contiguous rows, or
+    the views of a fused projection). With them as run-time arguments, its only change, this pass took 18 % longer
+    on the H200 (3.30 -> 3.89 ms at 1x65,536 tokens, bf16, H=16, HV=32, D=128), while the forward's sequential pass
+    and the parallel kernels lost nothing."""
     pid_v, n, hv, h, bos, eos, coff, nt = sequence_program(cu_ptr, coff_ptr, H, HV, V, BV)
     ck, cv, mkv, state_off, dst = state_tile(dht_ptr, n, hv, pid_v, HAS_DHT, HV, K, V, BK, BV)
     for i in range(nt):
@@ -129,12 +132,12 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
         tok, valid, mk, mv, tv_off, gc, gl, dec = state_chunk(rk_ptr, gc_ptr, bos + c * 64, eos, ck, cv, h, hv, H,
                                                               HV, K, V, L2)
         tl.store(dhs_ptr + ((coff + c) * HV + hv) * (K * V) + state_off, dst.to(dhs_ptr.dtype.element_ty), mask=mkv)
-        k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=mk, other=0.0)
+        k = tl.load(k_ptr + tok[:, None] * SK + h * K + ck[None, :], mask=mk, other=0.0)
         dvl = tl.load(dvl_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
         # dv' = dv_local + diag(rk exp(gl - gc)) k dh_next
         dvn = dvl + _dot_x(k, dst, X2, PREC, DT) * dec[:, None]
         tl.store(dvn_ptr + tv_off, dvn.to(dvn_ptr.dtype.element_ty), mask=mv)
-        q = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=mk, other=0.0)
+        q = tl.load(q_ptr + tok[:, None] * SQ + h * K + ck[None, :], mask=mk, other=0.0)
         rq = _rows(rq_ptr, tok, H, h, valid, L2)
         do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)

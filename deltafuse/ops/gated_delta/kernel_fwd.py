@@ -176,28 +176,6 @@ def _dot_ma(a, b, acc, MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr)
 
 
 @triton.jit
-def _rstd(sumsq, valid):
-    """The l2norm factor rsqrt(|x|^2 + eps) of rows from their sums of squares (0 past the sequence)."""
-    return tl.where(valid, 1.0 / tl.sqrt(sumsq + 1e-6), 0.0)
-
-
-@triton.jit
-def _row_factors(x, valid, r_ptr, tok, H: tl.constexpr, h, STORE, L2: tl.constexpr):
-    """The l2norm factors of the rows of a loaded [64, BK] tile of q or k (ones without L2), stored into ``r_ptr``
-    [tokens, H] when STORE (one program per q/k head). Kernels scale products by them instead of reading
-    normalised copies, so normalised rows are never rounded to 16 bits; the first kernel that loads a chunk's rows
-    computes and stores them for the later kernels."""
-    if L2:
-        xf = x.to(tl.float32)
-        r = _rstd(tl.sum(xf * xf, 1), valid)
-        if STORE:
-            tl.store(r_ptr + tok * H + h, r, mask=valid)
-    else:
-        r = tl.where(valid, 1.0, 0.0)
-    return r
-
-
-@triton.jit
 def _rows(r_ptr, tok, H: tl.constexpr, h, valid, L2: tl.constexpr):
     """Per-row l2norm factors rsqrt(|x|^2 + eps) of q or k (ones when the l2norm is off)."""
     if L2:
@@ -273,6 +251,22 @@ def state_chunk(rk_ptr, gc_ptr, start, eos, ck, cv, h, hv, H: tl.constexpr, HV: 
 
 
 @triton.jit
+def _l2norm_rstd(q_ptr, k_ptr, rq_ptr, rk_ptr, TT, sq, sk, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """rsqrt(|x|^2 + eps) per row of q and of k (token strides ``sq`` and ``sk``). Kernels scale products by these
+    factors instead of reading normalised copies, so the normalised rows are never rounded to 16 bits."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    tok = pid_t.to(tl.int64) * 64 + tl.arange(0, 64)
+    valid = tok < TT
+    ck = tl.arange(0, BK)
+    m = valid[:, None] & (ck[None, :] < K)
+    x = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(rq_ptr + tok * H + h, 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6), mask=valid)
+    x = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(rk_ptr + tok * H + h, 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6), mask=valid)
+
+
+@triton.jit
 def softplus(x):
     """log(1 + exp(x)) in fp32 as torch computes it (x itself above 20), without overflow for any x: exp's
     argument is clamped, and log1p(e) = log(u) e / (u - 1) with u = 1 + e keeps the digits of e that u drops (e
@@ -308,8 +302,7 @@ def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv
                BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, STORE_T: tl.constexpr,
                MODE: tl.constexpr, INV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                GATE: tl.constexpr, HAS_DT: tl.constexpr, BSIG: tl.constexpr):
-    """gc, A, T = (I + A)^-1 (stored when STORE_T), w and u of one chunk and value head, and with L2 the l2norm
-    factors of its k rows (into ``rk``, for the kernels that follow). INV: how the diagonal
+    """gc, A, T = (I + A)^-1 (stored when STORE_T), w and u of one chunk and value head. INV: how the diagonal
     16x16 blocks of T are inverted (_unit_lower_inverse); MODE: product mode (_dot_ma) of the fp32 T tiles
     with the 16-bit k and v for w and u. GATE: g holds the raw gate (``gate_terms``, with dt_bias when HAS_DT);
     BSIG: beta holds logits (beta = sigmoid(beta))."""
@@ -330,8 +323,8 @@ def _intra_fwd(k_ptr, rk_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, tinv
     b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
     if BSIG:
         b = tl.where(valid, sigmoid(b), 0.0)
+    rk = _rows(rk_ptr, tok, H, h, valid, L2)
     k = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=valid[:, None] & (ck[None, :] < K), other=0.0)
-    rk = _row_factors(k, valid, rk_ptr, tok, H, h, hv % (HV // H) == 0, L2)  # stored once per q/k head
     kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
     Tm = _unit_lower_inverse(kk * _chunk_decay(gc, valid, True) * b[:, None], PREC, INV)
     if STORE_T:

@@ -12,19 +12,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_m, _dot_ma, _rows, _rstd, chunk_tokens
+from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_m, _dot_ma, _rows, chunk_tokens
 
 
 @triton.jit
-def _out_fwd(q_ptr, k_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks_ptr, scale, sq, sk,
+def _out_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks_ptr, scale, sq, sk,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
              QH: tl.constexpr, SV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """One program per (chunk, value head, V block), on one grid axis with the V blocks fastest, then the value
     heads: the programs that read the same q/k rows run next to each other (L2 hits). The K axis is walked in
     blocks of BK (q h and q k^T accumulate over it). QH / SV: product modes (kernel_fwd._dot_m) of q h (when
-    the states are stored in fp32; 16-bit states make it one exact 16-bit product) and of the scores with v'.
-    With L2, q's l2norm factors are computed here from the q rows it reads (k's are read from ``rk``)."""
+    the states are stored in fp32; 16-bit states make it one exact 16-bit product) and of the scores with v'."""
     pid = tl.program_id(0)
     nv = (V + BV - 1) // BV
     pid_v = pid % nv
@@ -39,7 +38,6 @@ def _out_fwd(q_ptr, k_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks_ptr, sc
     h_base = hs_ptr + (c.to(tl.int64) * HV + hv) * (K * V)
     acc = tl.zeros([64, BV], dtype=tl.float32)
     s = tl.zeros([64, 64], dtype=tl.float32)
-    qsq = tl.zeros([64], dtype=tl.float32)  # |q|^2 per row, over the K blocks
     for kb in range(tl.cdiv(K, BK)):
         ck = kb * BK + tl.arange(0, BK)
         q = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=valid[:, None] & (ck[None, :] < K),
@@ -53,14 +51,8 @@ def _out_fwd(q_ptr, k_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks_ptr, sc
         else:
             acc = tl.dot(q, hst, acc=acc)  # both exact in 16 bits: one exact product
         s = tl.dot(q, kt, acc=s, input_precision=PREC)
-        if L2:
-            qf = q.to(tl.float32)
-            qsq += tl.sum(qf * qf, 1)
     gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
-    if L2:  # from q's sums of squares over the K blocks
-        rq = _rstd(qsq, valid)
-    else:
-        rq = tl.where(valid, 1.0, 0.0)
+    rq = _rows(rq_ptr, tok, H, h, valid, L2)
     rk = _rows(rk_ptr, tok, H, h, valid, L2)
     o = acc * (rq * tl.where(valid, tl.exp(gc), 0.0))[:, None]
     s = s * _chunk_decay(gc, valid, False) * rq[:, None] * rk[None, :]

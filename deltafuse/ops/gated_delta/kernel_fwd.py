@@ -251,19 +251,23 @@ def state_chunk(rk_ptr, gc_ptr, start, eos, ck, cv, h, hv, H: tl.constexpr, HV: 
 
 
 @triton.jit
+def _store_rstd(x_ptr, sx, r_ptr, tok, valid, h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """rsqrt(|x|^2 + eps) of 64 rows of head h of x (token stride ``sx``) into ``r_ptr`` [tokens, H]."""
+    ck = tl.arange(0, BK)
+    x = tl.load(x_ptr + tok[:, None] * sx + h * K + ck[None, :], mask=valid[:, None] & (ck[None, :] < K),
+                other=0.0).to(tl.float32)
+    tl.store(r_ptr + tok * H + h, 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6), mask=valid)
+
+
+@triton.jit
 def _l2norm_rstd(q_ptr, k_ptr, rq_ptr, rk_ptr, TT, sq, sk, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """rsqrt(|x|^2 + eps) per row of q and of k (token strides ``sq`` and ``sk``). Kernels scale products by these
     factors instead of reading normalised copies, so the normalised rows are never rounded to 16 bits."""
-    pid_t = tl.program_id(0)
     h = tl.program_id(1)
-    tok = pid_t.to(tl.int64) * 64 + tl.arange(0, 64)
+    tok = tl.program_id(0).to(tl.int64) * 64 + tl.arange(0, 64)
     valid = tok < TT
-    ck = tl.arange(0, BK)
-    m = valid[:, None] & (ck[None, :] < K)
-    x = tl.load(q_ptr + tok[:, None] * sq + h * K + ck[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(rq_ptr + tok * H + h, 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6), mask=valid)
-    x = tl.load(k_ptr + tok[:, None] * sk + h * K + ck[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(rk_ptr + tok * H + h, 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6), mask=valid)
+    _store_rstd(q_ptr, sq, rq_ptr, tok, valid, h, H, K, BK)
+    _store_rstd(k_ptr, sk, rk_ptr, tok, valid, h, H, K, BK)
 
 
 @triton.jit

@@ -11,6 +11,12 @@
 # later machine need not compile the same shapes again). Writes gdn_tests.log, gdn_bench.log and gdn.json
 # under $OUT.
 set -uo pipefail
+# the GDN GPU tests run in GDN_TEST_WORKERS pytest-xdist processes (below)
+workers=${GDN_TEST_WORKERS:-4}
+if ! [[ $workers =~ ^[0-9]+$ ]]; then
+    echo "run_gdn_gpu.sh: GDN_TEST_WORKERS='$workers'; allowed: a whole number (0: no pytest-xdist)" >&2
+    exit 2
+fi
 OUT=${OUT:-./deltafuse-out}
 mkdir -p "$OUT"
 if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
@@ -26,9 +32,14 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gdn_gpu.txt"
+# the tests in $workers pytest-xdist processes on the one GPU (GDN_TEST_WORKERS, default 4; 0: one process): each
+# releases its cached memory after every GPU test (tests/conftest.py), and the float64 oracle keeps a 4,097-token
+# case's graph small (checkpointed segments), so that workers do not run each other out of memory
+xdist=()
+(( 10#$workers > 0 )) && xdist=(-n "$workers")
 python3 -m pytest tests/ops/test_gdn_triton.py tests/ops/test_gdn_segments.py tests/ops/test_gdn_fla_options.py \
-    tests/ops/test_gdn_recurrent_gates.py \
-    -m gpu -q -s 2>&1 | tee "$OUT/gdn_tests.log"
+    tests/ops/test_gdn_recurrent_gates.py tests/ops/test_gdn_recurrent_decode.py \
+    -m gpu -v -rfE --tb=short "${xdist[@]}" 2>&1 | tee "$OUT/gdn_tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 benchmarks/bench_gdn.py --out "$OUT/gdn.json" "$@" 2>&1 | tee "$OUT/gdn_bench.log"
 bench_rc=${PIPESTATUS[0]}

@@ -331,3 +331,35 @@ def test_schedule_is_built_once_per_layout(name):
         assert_rel_close(ht, want_ht, 1e-12, f"final state, layout {i}")
     # the first layout may already be cached by an earlier test of this process; its copy never builds again
     assert built[1] == 0 and built[2] <= 1
+
+
+@pytest.mark.parametrize("B,T,cu,use_init", [(2, 150, None, True), (1, 300, [0, 1, 64, 65, 65, 200, 300], True),
+                                             (1, 130, [0, 130], False)])
+def test_oracle_checkpointed_segments_equal_the_plain_loop(B, T, cu, use_init):
+    """The oracle's checkpointed segments (``checkpoint_tokens``) give the plain step-by-step loop's values and
+    gradients bit for bit, with sequences longer and shorter than a segment, an empty one and grouped heads; and its
+    graph keeps a fraction of the plain loop's saved tensors (the reason it exists: the 4,097-token GPU cases held
+    about 40 GiB without it)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    inputs = make_inputs(B, T, 1, 2, 8, 16, torch.float64, n_states=None if cu is None else len(cu) - 1, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(B, T, 2, 16, generator=gen, dtype=torch.float64)
+    dh = torch.randn(*inputs[5].shape, generator=gen, dtype=torch.float64)
+    cu_t = None if cu is None else torch.tensor(cu)
+    runs, saved = [], []
+    for tokens in (0, 64, 5):
+        fn = lambda *a, n=tokens: naive_gated_delta_rule(*a, checkpoint_tokens=n)  # noqa: E731
+        count = [0]
+
+        def pack(t, count=count):
+            count[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            runs.append(run_with_grads(fn, inputs, 0.3, use_init, True, cu_t, do, dh))
+        saved.append(count[0])
+    plain = runs[0]
+    for got in runs[1:]:
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+        assert all(torch.equal(a, b) for a, b in zip(got[2], plain[2]))
+    assert saved[1] * 2 < saved[0] and saved[2] * 2 < saved[0], saved

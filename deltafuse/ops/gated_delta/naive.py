@@ -8,11 +8,18 @@ one token at a time, one sequence at a time, so it is slow and obviously right:
     o_t = S_t^T (scale * q_t)
 
 with S of shape [K, V] per value head; value head ``hv`` reads query/key head ``hv // (HV // H)``.
+
+With gradients, autograd would keep every token's [HV, K, V] state (about 40 GiB in float64 for 4,097 tokens at
+32 value heads and 128 x 128 states, which ran GPU test workers out of memory): sequences longer than
+``checkpoint_tokens`` are therefore run in segments of that many tokens under ``torch.utils.checkpoint``, which keeps
+only each segment's starting state and recomputes the segment's steps, the same operations in the same order, for
+the backward. The values and gradients are those of the plain loop.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -32,11 +39,14 @@ def naive_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
+    checkpoint_tokens: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference gated delta rule computed in ``dtype`` (float64 by default).
 
     Layouts follow FLA: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; states [N, HV, K, V].
-    Returns (o [B, T, HV, V] in ``dtype``, final state [N, HV, K, V] in ``dtype`` or None). Differentiable.
+    Returns (o [B, T, HV, V] in ``dtype``, final state [N, HV, K, V] in ``dtype`` or None). Differentiable; with
+    gradients enabled, sequences longer than ``checkpoint_tokens`` (0: never) are checkpointed in segments of that
+    many tokens (module docstring).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
@@ -54,21 +64,38 @@ def naive_gated_delta_rule(
     else:
         bounds = [int(x) for x in cu_seqlens.tolist()]
         spans = [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
-    outs = [[None] * T for _ in range(B)]
+    inputs = (q, k, v, g, beta, initial_state)
+    tracked = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    rows = [[] for _ in range(B)]  # per row: its outputs [tokens, HV, V], span by span
     finals = []
     for n, (b, start, end) in enumerate(spans):
         if initial_state is not None:
             S = initial_state[n].to(dtype)
         else:
             S = torch.zeros(HV, K, V, dtype=dtype, device=q.device)
-        for t in range(start, end):
-            S = S * g[b, t].exp()[:, None, None]
-            kt = k[b, t]  # [HV, K]
-            pred = torch.einsum("hkv,hk->hv", S, kt)
-            delta = beta[b, t][:, None] * (v[b, t] - pred)
-            S = S + kt[:, :, None] * delta[:, None, :]
-            outs[b][t] = torch.einsum("hkv,hk->hv", S, q[b, t] * scale)
+        if tracked and 0 < checkpoint_tokens < end - start:
+            for s0 in range(start, end, checkpoint_tokens):
+                s1 = min(s0 + checkpoint_tokens, end)
+                out, S = checkpoint(_steps, S, q[b, s0:s1], k[b, s0:s1], v[b, s0:s1], g[b, s0:s1], beta[b, s0:s1],
+                                    scale, use_reentrant=False)
+                rows[b].append(out)
+        elif end > start:
+            out, S = _steps(S, q[b, start:end], k[b, start:end], v[b, start:end], g[b, start:end],
+                            beta[b, start:end], scale)
+            rows[b].append(out)
         finals.append(S)
-    o = torch.stack([torch.stack(row, 0) for row in outs], 0) if T > 0 else v.new_zeros(B, 0, HV, V)
+    o = torch.stack([torch.cat(r, 0) for r in rows], 0) if T > 0 else v.new_zeros(B, 0, HV, V)
     final = torch.stack(finals, 0) if output_final_state else None
     return o, final
+
+
+def _steps(S, q, k, v, g, beta, scale):
+    """The recurrence over consecutive tokens of one sequence from state S: (outputs [tokens, HV, V], final S)."""
+    outs = []
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, None, None]
+        pred = torch.einsum("hkv,hk->hv", S, k[t])
+        delta = beta[t][:, None] * (v[t] - pred)
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", S, q[t] * scale))
+    return torch.stack(outs, 0), S

@@ -363,3 +363,11 @@ def test_oracle_checkpointed_segments_equal_the_plain_loop(B, T, cu, use_init):
         assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
         assert all(torch.equal(a, b) for a, b in zip(got[2], plain[2]))
     assert saved[1] * 2 < saved[0] and saved[2] * 2 < saved[0], saved
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "64"])
+def test_oracle_refuses_a_bad_checkpoint_length(bad):
+    x = torch.randn(1, 3, 1, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"checkpoint_tokens={bad!r}; allowed: an int >= 0"):
+        naive_gated_delta_rule(x, x, x, -torch.rand(1, 3, 1, dtype=torch.float64), torch.rand(1, 3, 1,
+                               dtype=torch.float64), checkpoint_tokens=bad)

@@ -48,6 +48,8 @@ def naive_gated_delta_rule(
     gradients enabled, sequences longer than ``checkpoint_tokens`` (0: never) are checkpointed in segments of that
     many tokens (module docstring).
     """
+    if not isinstance(checkpoint_tokens, int) or isinstance(checkpoint_tokens, bool) or checkpoint_tokens < 0:
+        raise ValueError(f"checkpoint_tokens={checkpoint_tokens!r}; allowed: an int >= 0 (0: no checkpointing)")
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
     group = HV // H

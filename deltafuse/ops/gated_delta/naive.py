@@ -79,7 +79,7 @@ def naive_gated_delta_rule(
             for s0 in range(start, end, checkpoint_tokens):
                 s1 = min(s0 + checkpoint_tokens, end)
                 out, S = checkpoint(_steps, S, q[b, s0:s1], k[b, s0:s1], v[b, s0:s1], g[b, s0:s1], beta[b, s0:s1],
-                                    scale, use_reentrant=False)
+                                    scale, use_reentrant=False, preserve_rng_state=False)
                 rows[b].append(out)
         elif end > start:
             out, S = _steps(S, q[b, start:end], k[b, start:end], v[b, start:end], g[b, start:end],

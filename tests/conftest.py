@@ -29,6 +29,7 @@ def pytest_sessionfinish(session, exitstatus):
 
         shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
+
 @pytest.fixture(autouse=True)
 def _release_gpu_memory(request):
     """After a ``gpu`` test, hand the memory its process's caching allocator kept back to the device: pytest-xdist

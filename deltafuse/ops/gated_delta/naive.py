@@ -75,15 +75,15 @@ def naive_gated_delta_rule(
             S = initial_state[n].to(dtype)
         else:
             S = torch.zeros(HV, K, V, dtype=dtype, device=q.device)
-        if tracked and 0 < checkpoint_tokens < end - start:
-            for s0 in range(start, end, checkpoint_tokens):
-                s1 = min(s0 + checkpoint_tokens, end)
-                out, S = checkpoint(_steps, S, q[b, s0:s1], k[b, s0:s1], v[b, s0:s1], g[b, s0:s1], beta[b, s0:s1],
-                                    scale, use_reentrant=False, preserve_rng_state=False)
-                rows[b].append(out)
-        elif end > start:
-            out, S = _steps(S, q[b, start:end], k[b, start:end], v[b, start:end], g[b, start:end],
-                            beta[b, start:end], scale)
+        length = end - start
+        step = checkpoint_tokens if tracked and 0 < checkpoint_tokens < length else max(length, 1)
+        for s0 in range(start, end, step):
+            part = slice(s0, min(s0 + step, end))
+            args = (S, q[b, part], k[b, part], v[b, part], g[b, part], beta[b, part], scale)
+            if step < length:
+                out, S = checkpoint(_steps, *args, use_reentrant=False, preserve_rng_state=False)
+            else:
+                out, S = _steps(*args)
             rows[b].append(out)
         finals.append(S)
     o = torch.stack([torch.cat(r, 0) for r in rows], 0) if T > 0 else v.new_zeros(B, 0, HV, V)

@@ -563,6 +563,33 @@ def test_fwd_v2_options_are_validated():
     assert chunk_mod.ChunkOptions(stages_hfwd=3, stages_out=3).stages_hfwd == 3
 
 
+def test_sequential_passes_fit_their_stages_to_shared_memory():
+    """The sequential passes run as many pipeline stages as asked, or as many as the device's shared memory per
+    program holds. Anchored on what Triton reported on an H200 (232,448 bytes a program): the reverse pass at bf16,
+    K = V = 128, value tiles of 32 needed 240,652 bytes at 4 stages (4 x 57,344 bytes of loads and 11,276 more)
+    and was refused; it compiled at 3. The forward's pass ran at 4 stages there, and at 2 with fp32 inputs."""
+    h200 = 232448
+    sbwd_bf16 = chunk_launch._row_bytes(128, 32, 2, 2, (2, 2), 2)
+    assert sbwd_bf16 == 57344 + 3 * 64 * 4  # k, q, w [64, 128] and dv_local, do [64, 32] in bf16; three fp32 rows
+    assert 4 * 57344 + 11276 == 240652 > h200 and 4 * sbwd_bf16 + chunk_launch._SMEM_OTHER > h200  # refused there
+    assert chunk_launch.fit_stages(4, sbwd_bf16, h200) == 3
+    assert chunk_launch.fit_stages(3, sbwd_bf16, h200) == 3
+    assert chunk_launch.fit_stages(4, chunk_launch._row_bytes(128, 32, 2, 2, (2,), 1), h200) == 4  # forward, bf16
+    assert chunk_launch.fit_stages(4, chunk_launch._row_bytes(128, 32, 4, 4, (4,), 1), h200) == 2  # forward, fp32
+    assert chunk_launch.fit_stages(3, chunk_launch._row_bytes(128, 32, 4, 4, (4, 4), 2), h200) == 1  # reverse, fp32
+    assert chunk_launch.fit_stages(3, sbwd_bf16, None) == 3  # no limit known: as asked
+    assert chunk_launch.fit_stages(3, sbwd_bf16, 1024) == 1  # never fewer than one
+    gen = torch.Generator().manual_seed(5)
+    for requested, row, limit in torch.randint(1, 200_000, (500, 3), generator=gen).tolist():
+        requested = requested % 6 + 1
+        got = chunk_launch.fit_stages(requested, row, limit)
+        assert 1 <= got <= requested
+        if got > 1:  # what it keeps fits
+            assert got * row + chunk_launch._SMEM_OTHER <= limit
+        if got < requested:  # one more would not
+            assert (got + 1) * row + chunk_launch._SMEM_OTHER > limit
+
+
 def test_fwd_v2_keeps_only_the_inputs():
     """Nothing of the forward's intermediates (chunk states, v') is kept for the backward."""
     xs, _ = make_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32, h0=True, seed=11)

@@ -224,6 +224,39 @@ def prepare(k, rk, v, g, beta, plan, cfg, L2, store_t, gates: Gates = NONE):
     return gc, w, u, tinv
 
 
+# Shared memory a sequential pass takes besides its pipelined loads (layout conversions, dot operands): about 11 KB
+# for _state_bwd at bf16, K = V = 128 on the H200 (Triton's report for 4 stages: 240,652 bytes, 4 x 57,344 of loads)
+_SMEM_OTHER = 16 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(index: int | None) -> int | None:
+    """The most shared memory one program may take on device ``index`` of the active Triton driver (Triton's own
+    figure, the one it checks a compiled kernel against), or None where the driver cannot tell."""
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(index or 0)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - a driver without the query: the requested stages stand
+        return None
+
+
+def fit_stages(requested: int, per_stage: int, limit: int | None) -> int:
+    """Pipeline stages of a sequential pass: ``requested``, or as many as fit (at least 1) when ``requested``
+    copies of one chunk's loads (``per_stage`` bytes) and the pass's other shared memory would exceed ``limit``
+    bytes (None: no limit known). Triton refuses a kernel that needs more than the device has ("out of resource:
+    shared memory"), so a ``stages_*`` option is an upper bound: 4 stages of the forward's pass fit an H200 at
+    bf16 and K = V = 128, 2 at fp32, and a GPU with less shared memory per program gets fewer."""
+    if limit is None:
+        return requested
+    return max(1, min(requested, (limit - _SMEM_OTHER) // per_stage))
+
+
+def _row_bytes(BK: int, BV: int, k_size: int, w_size: int, v_sizes: tuple[int, ...], k_tiles: int) -> int:
+    """Bytes one pipeline stage of a sequential pass loads per chunk: ``k_tiles`` [64, BK] tiles of the inputs
+    (k, and q in the reverse pass), w [64, BK] as stored, one [64, BV] tile per entry of ``v_sizes`` (element
+    sizes) and three fp32 rows (gates, l2norm factors)."""
+    return 64 * (BK * (k_tiles * k_size + w_size) + BV * sum(v_sizes) + 3 * 4)
+
+
 class ForwardConfig:
     """Tiles, warps, stages and product modes of the forward's sequential pass and output kernel (under the
     options of ``cfg``)."""
@@ -240,6 +273,7 @@ class ForwardConfig:
         small = min(cfg.BK, vmax) < 64
         self.nw_state = 1 if interp else (min(2, opts.warps_hfwd) if small else opts.warps_hfwd)
         self.nw_out = 1 if interp else (min(2, opts.warps_out) if small else opts.warps_out)
+        # the most stages asked for; state_pass fits them to the device (fit_stages)
         self.stages_state = 1 if interp else opts.stages_hfwd
         self.stages_out = 1 if interp else opts.stages_out
         mode = {n: 0 if full else PROD_MODES[getattr(opts, "fwd_prod_" + n)] for n in ("wh", "kv", "qh", "sv")}
@@ -273,11 +307,15 @@ def state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, L2):
     (when not None)."""
     TT, H, K = k.shape
     HV, V = u.shape[-2:]
+    stages = fc.stages_state
+    if stages > 1:
+        row = _row_bytes(cfg.BK, fc.bv_state, k.element_size(), w.element_size(), (u.element_size(),), 1)
+        stages = fit_stages(stages, row, _shared_memory(k.device.index))
     _state_fwd[(triton.cdiv(V, fc.bv_state) * plan.N * HV,)](
         k, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, hs, vn, ht if ht is not None else gc, plan.cu,
         plan.coff, sk=k.stride(0), H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=fc.bv_state, L2=L2, HAS_H0=h0 is not None,
         STORE_HT=ht is not None, WH=fc.WH, KV=fc.KV, PREC=cfg.PREC, DT=cfg.DT, num_warps=fc.nw_state,
-        num_stages=fc.stages_state)
+        num_stages=stages)
     cfg.mark("state")
 
 
@@ -363,8 +401,10 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     dvn = dvl
     dh0 = torch.empty(plan.N, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
     bv_sbwd = min(max(16, triton.next_power_of_2(V)), 16 if interp else opts.bv_sbwd)
-    # fp32 states in the reverse pass need the shared memory that load pipelining would take
-    stages_sbwd = 1 if (interp or cfg.store == torch.float32) else opts.stages_sbwd
+    # as many stages as fit the device (fit_stages): one at fp32 storage on an H200
+    stages_sbwd = 1 if interp else fit_stages(
+        opts.stages_sbwd, _row_bytes(cfg.BK, bv_sbwd, q.element_size(), w.element_size(),
+                                     (dvl.element_size(), do.element_size()), 2), _shared_memory(dev.index))
     _state_bwd[(triton.cdiv(V, bv_sbwd) * plan.N * HV,)](
         q, k, rq, rk, w, gc, do, dvl, dht if dht is not None else gc, dhs, dvn, dh0 if need_dh0 else gc, plan.cu,
         plan.coff, scale, SQ=strides["sq"], SK=strides["sk"], BV=bv_sbwd, HAS_DHT=dht is not None,

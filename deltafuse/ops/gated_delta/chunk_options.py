@@ -38,8 +38,10 @@ class ChunkOptions:
     ``kv`` (k^T times the decayed v', the state update), ``qh`` (q times the stored state, when states are
     stored in fp32: 16-bit states make it exact) and ``sv`` (the in-chunk scores times v'). With fp32 inputs
     (or an fp32-stored operand) every product is an fp32 one. ``bk_out``: K block of the output kernel;
-    ``stages_<kernel>``: its pipeline stages. In the interpreter warps and stages are 1 and tile widths are
-    capped at the head size.
+    ``stages_<kernel>``: its pipeline stages. The two sequential passes (``stages_hfwd``, ``stages_sbwd``) take
+    at most that many: fewer where that many chunks' loads would not fit the device's shared memory
+    (``chunk_launch.fit_stages``; one at fp32 storage in the reverse pass on an H200). In the interpreter warps
+    and stages are 1 and tile widths are capped at the head size.
     """
 
     fwd_store: str = "input"
@@ -65,7 +67,10 @@ class ChunkOptions:
     fwd_prod_sv: str = "x2"
     bv_hfwd: int = 32
     warps_hfwd: int = 4
-    stages_hfwd: int = 2
+    # 4 stages of loads in flight in the forward's sequential pass, 3 in the reverse pass: on the H200 they take the
+    # pass from 2.15 to 1.47 ms and the reverse pass from 3.35 to 2.83 ms at 1x65,536 tokens, bf16, HV=32, D=128
+    # (BENCHMARKS.md#gdn-stages-s22); fewer where the device's shared memory does not hold them (fit_stages)
+    stages_hfwd: int = 4
     bv_out: int = 64
     bk_out: int = 128
     warps_out: int = 4
@@ -94,7 +99,7 @@ class ChunkOptions:
     bwd_group_loop: bool = False
     bv_sbwd: int = 32
     warps_sbwd: int = 4
-    stages_sbwd: int = 2
+    stages_sbwd: int = 3
     stages_dvl: int = 2
     stages_wy: int = 2
     stages_bo: int = 3

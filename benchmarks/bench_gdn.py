@@ -380,7 +380,8 @@ def main():
     ap.add_argument("--shapes", default="all", help="'all' or indices into the reference list, e.g. 0,1")
     ap.add_argument("--check-shape", default="1,1024,16,32,128", help="B,T,H,HV,D for the correctness check")
     ap.add_argument("--variants", default="", help="semicolon-separated ChunkOptions overrides for extra rows "
-                    "of ours, e.g. 'fwd_prod_wh=16,fwd_prod_kv=16;prod_wy=x2'")
+                    "of ours, timed at the first shape only (and in --kernels tables), e.g. "
+                    "'fwd_prod_wh=16,fwd_prod_kv=16;prod_wy=x2'; benchmarks/tune_gdn.py times options at every shape")
     ap.add_argument("--breakdown", default="", help="shape indices for a per-stage timing of ours, e.g. 0,1")
     ap.add_argument("--kernels", default="", help="shape indices for a per-kernel device-time table of ours and "
                     "FLA side by side (torch.profiler), e.g. 1,3")

@@ -38,9 +38,16 @@ def _env() -> dict:
     return clean_subprocess_env()
 
 
+def _as_from_a_terminal() -> None:
+    """The child starts with SIGINT at its default, as a terminal's foreground command does (Python then turns it
+    into KeyboardInterrupt). A test run started as a background job of a non-interactive shell has SIGINT ignored,
+    and its children would inherit that: every Ctrl-C case below then ran to the end with exit 0."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _tripped(module: str, tripped: str, signame: str, *argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _TRIP, module, tripped, signame, *argv], env=_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, preexec_fn=_as_from_a_terminal)
 
 
 def _stop_line(err: str) -> str:
@@ -99,7 +106,7 @@ def test_a_signal_while_benchmarking_is_one_line(signum, code, word):
     """A real signal from outside once the benchmark has printed its first timing, while it times the next."""
     proc = subprocess.Popen([sys.executable, "-m", "deltafuse", "bench", "ops", "--device", "cpu", "--op", "swiglu",
                              "--op", "rms_norm_gated", "--reps", "20000"], env=_env(), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_as_from_a_terminal)
     try:
         first = proc.stdout.readline()
         assert first.startswith("swiglu "), first

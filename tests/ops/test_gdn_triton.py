@@ -579,6 +579,17 @@ def test_sequential_passes_fit_their_stages_to_shared_memory():
     assert chunk_launch.fit_stages(3, chunk_launch._row_bytes(128, 32, 4, 4, (4, 4), 2), h200) == 1  # reverse, fp32
     assert chunk_launch.fit_stages(3, sbwd_bf16, None) == 3  # no limit known: as asked
     assert chunk_launch.fit_stages(3, sbwd_bf16, 1024) == 1  # never fewer than one
+    # what the launches call: the same fit, on the device's figure (here an H200's), cached per configuration
+    real = chunk_launch._shared_memory
+    try:
+        chunk_launch._shared_memory = lambda index: h200
+        chunk_launch.pass_stages.cache_clear()
+        assert chunk_launch.pass_stages(4, 128, 32, 2, 2, (2, 2), 2, 0) == 3  # the reverse pass, bf16
+        assert chunk_launch.pass_stages(4, 128, 32, 4, 4, (4,), 1, 0) == 2  # the forward's pass, fp32
+        assert chunk_launch.pass_stages(1, 128, 32, 4, 4, (4, 4), 2, 0) == 1
+    finally:
+        chunk_launch._shared_memory = real
+        chunk_launch.pass_stages.cache_clear()
     gen = torch.Generator().manual_seed(5)
     for requested, row, limit in torch.randint(1, 200_000, (500, 3), generator=gen).tolist():
         requested = requested % 6 + 1

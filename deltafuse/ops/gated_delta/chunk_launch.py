@@ -257,6 +257,16 @@ def _row_bytes(BK: int, BV: int, k_size: int, w_size: int, v_sizes: tuple[int, .
     return 64 * (BK * (k_tiles * k_size + w_size) + BV * sum(v_sizes) + 3 * 4)
 
 
+@functools.lru_cache(maxsize=256)
+def pass_stages(requested: int, BK: int, BV: int, k_size: int, w_size: int, v_sizes: tuple[int, ...], k_tiles: int,
+                index: int | None) -> int:
+    """The stages a sequential pass runs with on device ``index``: ``fit_stages`` of its loads per chunk
+    (``_row_bytes``), worked out once per configuration (it sits on every GDN call's path)."""
+    if requested <= 1:
+        return requested
+    return fit_stages(requested, _row_bytes(BK, BV, k_size, w_size, v_sizes, k_tiles), _shared_memory(index))
+
+
 class ForwardConfig:
     """Tiles, warps, stages and product modes of the forward's sequential pass and output kernel (under the
     options of ``cfg``)."""
@@ -307,10 +317,8 @@ def state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, L2):
     (when not None)."""
     TT, H, K = k.shape
     HV, V = u.shape[-2:]
-    stages = fc.stages_state
-    if stages > 1:
-        row = _row_bytes(cfg.BK, fc.bv_state, k.element_size(), w.element_size(), (u.element_size(),), 1)
-        stages = fit_stages(stages, row, _shared_memory(k.device.index))
+    stages = pass_stages(fc.stages_state, cfg.BK, fc.bv_state, k.element_size(), w.element_size(),
+                         (u.element_size(),), 1, k.device.index)
     _state_fwd[(triton.cdiv(V, fc.bv_state) * plan.N * HV,)](
         k, rk if L2 else gc, w, u, gc, h0 if h0 is not None else gc, hs, vn, ht if ht is not None else gc, plan.cu,
         plan.coff, sk=k.stride(0), H=H, HV=HV, K=K, V=V, BK=cfg.BK, BV=fc.bv_state, L2=L2, HAS_H0=h0 is not None,
@@ -402,9 +410,8 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     dh0 = torch.empty(plan.N, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
     bv_sbwd = min(max(16, triton.next_power_of_2(V)), 16 if interp else opts.bv_sbwd)
     # as many stages as fit the device (fit_stages): one at fp32 storage on an H200
-    stages_sbwd = 1 if interp else fit_stages(
-        opts.stages_sbwd, _row_bytes(cfg.BK, bv_sbwd, q.element_size(), w.element_size(),
-                                     (dvl.element_size(), do.element_size()), 2), _shared_memory(dev.index))
+    stages_sbwd = 1 if interp else pass_stages(opts.stages_sbwd, cfg.BK, bv_sbwd, q.element_size(), w.element_size(),
+                                               (dvl.element_size(), do.element_size()), 2, dev.index)
     _state_bwd[(triton.cdiv(V, bv_sbwd) * plan.N * HV,)](
         q, k, rq, rk, w, gc, do, dvl, dht if dht is not None else gc, dhs, dvn, dh0 if need_dh0 else gc, plan.cu,
         plan.coff, scale, SQ=strides["sq"], SK=strides["sk"], BV=bv_sbwd, HAS_DHT=dht is not None,

@@ -681,10 +681,15 @@ def _v2_grads(xs, cu, do, dht, l2, options):
 
 # fp16 inputs (emulated by the interpreter, unlike bf16) take the 16-bit paths that fp32 inputs never reach:
 # split (x2) / rounded (16) / fp32 products and 16-bit partials
-V2_BASE = dict(bwd_partials="fp32", prod_wy="x2", prod_bo="x2")  # split products, fp32 partials
+V2_BASE = dict(bwd_partials="fp32", prod_wy="x2", prod_bo="x2", sbwd_prod_kd="x2", sbwd_prod_qd="x2",
+               sbwd_prod_wd="x2")  # split products, fp32 partials
 V2_SWITCHES = [
-    dict(bwd_partials="input", prod_wy="16", prod_bo="16"),  # the defaults
+    dict(bwd_partials="input", prod_wy="16", prod_bo="16", sbwd_prod_kd="16", sbwd_prod_qd="16",
+         sbwd_prod_wd="16"),  # the defaults
     dict(prod_wy="tf32", prod_bo="tf32", bo_two_pass=True),
+    # the reverse pass's three products in the other modes
+    dict(sbwd_prod_kd="tf32", sbwd_prod_qd="16", sbwd_prod_wd="tf32"),
+    dict(sbwd_prod_kd="16", sbwd_prod_qd="tf32", sbwd_prod_wd="x2"),
     # fp32 intermediates (interpreter only: refused on a GPU): dv' in fp32, so dv gets its own fp16 buffer
     dict(bwd_store="fp32"),
 ]
@@ -758,7 +763,10 @@ def test_bwd_v2_options_validated():
                                   ("prod_bo", None, "'tf32', '16', 'x2'"),
                                   ("bt_red", 24, "a power of two"), ("warps_red", 0, "an int >= 1"),
                                   ("bv_sbwd", 48, "a power of two"), ("stages_bo", True, "an int >= 1"),
-                                  ("bo_two_pass", "yes", "True, False"), ("bwd_x2", 1, "True, False")]:
+                                  ("bo_two_pass", "yes", "True, False"), ("bwd_x2", 1, "True, False"),
+                                  ("sbwd_prod_kd", "bf16", "'tf32', '16', 'x2'"),
+                                  ("sbwd_prod_qd", 2, "'tf32', '16', 'x2'"),
+                                  ("sbwd_prod_wd", "", "'tf32', '16', 'x2'")]:
         with pytest.raises(ValueError, match=f"ChunkOptions.{field}={value!r}.*allowed: {allowed}"):
             chunk_mod.ChunkOptions(**{field: value})
     assert chunk_mod.ChunkOptions(stages_wy=3, stages_bo=3, stages_dvl=3, stages_sbwd=3).stages_wy == 3

@@ -415,7 +415,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     _state_bwd[(triton.cdiv(V, bv_sbwd) * plan.N * HV,)](
         q, k, rq, rk, w, gc, do, dvl, dht if dht is not None else gc, dhs, dvn, dh0 if need_dh0 else gc, plan.cu,
         plan.coff, scale, SQ=strides["sq"], SK=strides["sk"], BV=bv_sbwd, HAS_DHT=dht is not None,
-        STORE_DH0=need_dh0, X2=cfg.X2, **common,
+        STORE_DH0=need_dh0, KD=mode("sbwd_prod_kd"), QD=mode("sbwd_prod_qd"), WD=mode("sbwd_prod_wd"), **common,
         num_warps=warps(opts.warps_sbwd), num_stages=stages_sbwd)
     cfg.mark("state_bwd")
     del w, dvl  # (dvl is dvn now)

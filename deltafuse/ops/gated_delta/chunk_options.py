@@ -28,7 +28,8 @@ class ChunkOptions:
     gradients): "input" (the inputs' 16-bit dtype) or "fp32". ``*_x2``: products of an fp32 operand with a
     16-bit one split the fp32 operand into two 16-bit parts (about 16 mantissa bits) instead of rounding it
     to 16 bits or using tf32 (``fwd_x2``: in the forward's intra kernel; its later kernels take
-    ``fwd_prod_*`` below). fp32 inputs always use fp32 storage and three-pass tf32 products.
+    ``fwd_prod_*`` below. ``bwd_x2``: in the backward's intra kernel and ``_dv_local``; the reverse pass takes
+    ``sbwd_prod_*``). fp32 inputs always use fp32 storage and three-pass tf32 products.
     ``bv_<kernel>`` / ``warps_<kernel>``: value-tile width and warps per kernel; ``stages``: pipeline stages.
 
     Forward kernels (the forward's sequential pass ``hfwd``, which the backward recomputes with the same settings,
@@ -79,8 +80,10 @@ class ChunkOptions:
     # bwd_partials: dtype of the per-value-head dq / dk partials that _bwd_out writes and _bwd_reduce sums when
     # several value heads share a q/k head: "fp32" or "input" (the inputs' 16-bit dtype: half the bytes).
     # prod_wy / prod_bo: products of a computed fp32 tile with a 16-bit one in _bwd_wy / _bwd_out (16-bit
-    # inputs only): "x2" (two 16-bit parts), "16" (one 16-bit product), "tf32" (one fp32 product); the
-    # other backward kernels follow bwd_x2. _state_bwd has its own tiles (bv_sbwd, warps_sbwd, stages_sbwd);
+    # inputs only): "x2" (two 16-bit parts), "16" (one 16-bit product), "tf32" (one fp32 product). The reverse
+    # pass's products take the same modes: sbwd_prod_kd (k times the state gradient, for dv'), sbwd_prod_qd (q^T
+    # times the decayed do) and sbwd_prod_wd (w^T dv'); _dv_local follows bwd_x2. _state_bwd has its own tiles
+    # (bv_sbwd, warps_sbwd, stages_sbwd);
     # _bwd_reduce takes bt_red tokens per program. bo_two_pass: _bwd_out makes two passes over the value blocks
     # (dq, then dk): one [64, K] fp32 accumulator live instead of two, for one more read of v' and h.
     # wy_recompute_t: _bwd_wy computes T = (I + A)^-1 itself instead of reading the one the backward's in-chunk
@@ -97,6 +100,12 @@ class ChunkOptions:
     bo_two_pass: bool = False
     wy_recompute_t: bool = False
     bwd_group_loop: bool = False
+    # the reverse pass's three products in 16 bits (one product each): on the H200 they take that pass from 2.71 to
+    # 1.75 ms at 1x65,536 tokens (bf16, HV=32, D=128) with every gradient of the hardest GPU cases still within
+    # its bound (BENCHMARKS.md#gdn-sbwd-16-s23)
+    sbwd_prod_kd: str = "16"
+    sbwd_prod_qd: str = "16"
+    sbwd_prod_wd: str = "16"
     bv_sbwd: int = 32
     warps_sbwd: int = 4
     stages_sbwd: int = 3
@@ -146,7 +155,8 @@ class ChunkOptions:
 # the string fields and the values each takes, in the order they are checked; then the product modes
 _CHOICES = (("fwd_store", ("input", "fp32")), ("bwd_store", ("input", "fp32")), ("intra_inv", INV_MODES),
             ("intra_prod", ("x2", "16")), ("bwd_partials", ("input", "fp32")))
-_PRODUCTS = ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo")
+_PRODUCTS = ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo", "sbwd_prod_kd",
+             "sbwd_prod_qd", "sbwd_prod_wd")
 DEFAULT_OPTIONS = ChunkOptions()
 # (options, stage hook) of calls that pass none: the defaults and no hook, except inside a ``configured`` block
 _DEFAULTS: contextvars.ContextVar[tuple[ChunkOptions, StageHook | None]] = contextvars.ContextVar(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_x, _dot_xa, _rows, _unit_lower_inverse,
+from deltafuse.ops.gated_delta.kernel_fwd import (_chunk_decay, _dot_m, _dot_xa, _rows, _unit_lower_inverse,
                                                 chunk_tokens, gate_terms, sequence_program, sigmoid, state_chunk,
                                                 state_tile)
 
@@ -117,9 +117,12 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
 def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht_ptr, dhs_ptr, dvn_ptr, dh0_ptr,
                cu_ptr, coff_ptr, scale, SQ: tl.constexpr, SK: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-               HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+               HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, KD: tl.constexpr, QD: tl.constexpr,
+               WD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """The reverse pass: dh at every chunk end into ``dhs``, the full dv' into ``dvn`` (which may be ``dvl``: each
     program reads a chunk's dv_local tile before it writes the same elements) and the initial-state gradient.
+    KD / QD / WD: product modes (kernel_fwd._dot_m) of k dh (for dv'), of q^T times the decayed do and of w^T dv'
+    (the state gradient's update).
 
     The token strides of q and k are compile-time constants here (one compilation per layout: contiguous rows, or
     the views of a fused projection). With them as run-time arguments, its only change, this pass took 18 % longer
@@ -135,14 +138,15 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
         k = tl.load(k_ptr + tok[:, None] * SK + h * K + ck[None, :], mask=mk, other=0.0)
         dvl = tl.load(dvl_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
         # dv' = dv_local + diag(rk exp(gl - gc)) k dh_next
-        dvn = dvl + _dot_x(k, dst, X2, PREC, DT) * dec[:, None]
+        dvn = dvl + _dot_m(k, dst, tl.zeros([64, BV], dtype=tl.float32), KD, PREC, DT) * dec[:, None]
         tl.store(dvn_ptr + tv_off, dvn.to(dvn_ptr.dtype.element_ty), mask=mv)
         q = tl.load(q_ptr + tok[:, None] * SQ + h * K + ck[None, :], mask=mk, other=0.0)
         rq = _rows(rq_ptr, tok, H, h, valid, L2)
         do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)
         dog = do * (rq * tl.where(valid, tl.exp(gc), 0.0) * scale)[:, None]
-        dst = dst * tl.exp(gl) + _dot_x(tl.trans(q), dog, X2, PREC, DT) - _dot_x(tl.trans(w), dvn, X2, PREC, DT)
+        # dh_prev = exp(gl) dh + q^T diag(rq exp(gc) scale) do - w^T dv'
+        dst = _dot_m(tl.trans(w), -dvn, _dot_m(tl.trans(q), dog, dst * tl.exp(gl), QD, PREC, DT), WD, PREC, DT)
     if STORE_DH0:
         tl.store(dh0_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, dst, mask=mkv)
 

@@ -112,23 +112,10 @@ def _chunk_decay(gc, valid, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _dot_x(a, b, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """a @ b for ``a`` exact in DT (loaded inputs or stored values) and fp32 ``b``.
-
-    X2: ``b`` is split into two DT parts (hi + lo) and both go through 16-bit tensor-core products, which
-    keeps about 16 mantissa bits of ``b``; otherwise one fp32 product at precision PREC.
-    """
-    if X2 and a.dtype != tl.float32:
-        bh = b.to(DT)
-        bl = (b - bh.to(tl.float32)).to(DT)
-        return tl.dot(a, bl, acc=tl.dot(a, bh))
-    else:
-        return tl.dot(a.to(tl.float32), b, input_precision=PREC)
-
-
-@triton.jit
 def _dot_xa(a, b, X2: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """a @ b for fp32 ``a`` and ``b`` exact in DT (the mirror of _dot_x)."""
+    """a @ b for fp32 ``a`` and ``b`` exact in DT (a loaded input or stored value). X2: ``a`` is split into two DT
+    parts (hi + lo) and both go through 16-bit tensor-core products, which keeps about 16 mantissa bits of ``a``;
+    otherwise one fp32 product at precision PREC."""
     if X2 and b.dtype != tl.float32:
         ah = a.to(DT)
         al = (a - ah.to(tl.float32)).to(DT)

@@ -47,9 +47,11 @@ No kernel uses a transposed computed tile as a dot operand (a Triton-on-Hopper m
 inputs are loaded with swapped strides, and a product with a transposed computed tile is formed as the
 transpose of the product of the transposed loaded operand with that tile.
 
-Products of a 16-bit operand (inputs, stored intermediates) with an fp32 one split the fp32 operand into
-two 16-bit parts, so 16-bit tensor cores give close to fp32 accuracy without fp32 copies of the large
-tiles.
+Products of a 16-bit operand (inputs, stored intermediates) with an fp32 one either split the fp32 operand into
+two 16-bit parts, so 16-bit tensor cores give close to fp32 accuracy without fp32 copies of the large tiles, or
+round it to 16 bits (one product), product by product (``ChunkOptions``' product modes): rounded where the bf16
+results of the hardest oracle cases stayed within their bounds (the forward's w h, the reverse pass's three
+products, the backward's per-chunk kernels), split elsewhere.
 
 The backward recomputes w, u, the chunk states and v' from the inputs instead of keeping them from the
 forward pass, so only the inputs are saved between forward and backward.

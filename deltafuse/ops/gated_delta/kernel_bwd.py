@@ -189,7 +189,7 @@ def _bwd_wy(k_ptr, rk_ptr, v_ptr, beta_ptr, gc_ptr, tinv_ptr, hs_ptr, dvn_ptr, d
     if RECOMP_T:  # needed for T first (else formed after the V loop, not held across it)
         kk = tl.dot(k, tl.trans(k), input_precision=PREC) * rk[:, None] * rk[None, :]
     dk_sum = tl.zeros([64, BK], dtype=tl.float32)  # GLOOP only
-    for gi in tl.static_range(G if GLOOP else 1):
+    for gi in range(G if GLOOP else 1):
         hv = hv0 + gi
         gc = tl.load(gc_ptr + tok * HV + hv, mask=valid, other=0.0)
         b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
@@ -293,7 +293,7 @@ def _bwd_out(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, dhs_ptr, vn_ptr, do_p
     qk_off = tok[:, None] * (H * K) + h * K + ck[None, :]  # dq, dk (and dkp with GLOOP): [tokens, H, K]
     dq_sum = tl.zeros([64, BK], dtype=tl.float32)  # GLOOP only
     dk_sum = tl.zeros([64, BK], dtype=tl.float32)
-    for gi in tl.static_range(G if GLOOP else 1):
+    for gi in range(G if GLOOP else 1):
         hv = hv0 + gi
         part_off = tok[:, None] * (HV * K) + hv * K + ck[None, :]
         dqi = tl.zeros([64, BK], dtype=tl.float32)

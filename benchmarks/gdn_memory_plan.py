@@ -101,18 +101,16 @@ def _run(B, T, H, HV, D, options, dtype):
 
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tune_gdn import parse_variant
+    from tune_gdn import parse_shape, parse_variant
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="1,65536,16,32,128", help="B,T,H,HV,D")
     ap.add_argument("--options", default="", help="ChunkOptions overrides, FIELD=VALUE,...")
     args = ap.parse_args()
     try:
-        shape = tuple(int(x) for x in args.shape.split(","))
-        if len(shape) != 5 or min(shape) < 1:
-            raise ValueError
-    except ValueError:
-        ap.error(f"--shape {args.shape!r}; allowed: five positive ints B,T,H,HV,D")
+        shape = parse_shape(args.shape)
+    except ValueError as e:
+        ap.error(f"--shape {e}")
     try:
         options = parse_variant(args.options)
     except ValueError as e:

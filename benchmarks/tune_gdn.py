@@ -51,6 +51,17 @@ SWEEP = [
 TOL = {"o": 3e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 1e-2, "dbeta": 1e-2}
 
 
+def parse_shape(text: str) -> tuple[int, ...]:
+    """B,T,H,HV,D from "B,T,H,HV,D"; ValueError says what is allowed."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+        if len(shape) == 5 and min(shape) >= 1:
+            return shape
+    except ValueError:
+        pass
+    raise ValueError(f"{text!r}; allowed: five positive ints B,T,H,HV,D")
+
+
 def parse_variant(spec: str) -> chunk_mod.ChunkOptions:
     """``ChunkOptions`` from "field=value,..." overrides of the defaults; ValueError names a bad field or value."""
     base = chunk_mod.DEFAULT_OPTIONS

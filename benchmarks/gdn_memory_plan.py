@@ -14,9 +14,11 @@ own rounding adds a little, so a GPU run of ``bench_gdn.py`` checks it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import weakref
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,18 +67,25 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def plan(shape: tuple[int, ...], options: ChunkOptions, dtype=torch.bfloat16) -> tuple[list[tuple[str, int]], int]:
-    """([(stage, live bytes above the base after it)], peak bytes above the base) of one forward+backward."""
-    B, T, H, HV, D = shape
+@contextlib.contextmanager
+def kernels_replaced(stand_in: Callable[[str, object], object]):
+    """Every Triton kernel of ``chunk_launch`` replaced by ``stand_in(name, kernel)`` until the block ends."""
     kernels = {name: obj for name, obj in vars(chunk_launch).items()
                if type(obj).__name__ in ("JITFunction", "InterpretedFunction", "Autotuner")}
     try:
-        for name in kernels:
-            setattr(chunk_launch, name, _NoKernel())
-        return _run(B, T, H, HV, D, options, dtype)
+        for name, kernel in kernels.items():
+            setattr(chunk_launch, name, stand_in(name, kernel))
+        yield
     finally:
         for name, kernel in kernels.items():
             setattr(chunk_launch, name, kernel)
+
+
+def plan(shape: tuple[int, ...], options: ChunkOptions, dtype=torch.bfloat16) -> tuple[list[tuple[str, int]], int]:
+    """([(stage, live bytes above the base after it)], peak bytes above the base) of one forward+backward."""
+    B, T, H, HV, D = shape
+    with kernels_replaced(lambda name, kernel: _NoKernel()):
+        return _run(B, T, H, HV, D, options, dtype)
 
 
 def _run(B, T, H, HV, D, options, dtype):
@@ -101,20 +110,13 @@ def _run(B, T, H, HV, D, options, dtype):
 
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tune_gdn import parse_shape, parse_variant
+    from tune_gdn import shape_and_options
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="1,65536,16,32,128", help="B,T,H,HV,D")
     ap.add_argument("--options", default="", help="ChunkOptions overrides, FIELD=VALUE,...")
     args = ap.parse_args()
-    try:
-        shape = parse_shape(args.shape)
-    except ValueError as e:
-        ap.error(f"--shape {e}")
-    try:
-        options = parse_variant(args.options)
-    except ValueError as e:
-        ap.error(f"--options: {e}")
+    shape, options = shape_and_options(ap, args.shape, args.options)
     stages, peak = plan(shape, options)
     for name, live in stages:
         print(f"after {name:12s} {live / 2**30:7.3f} GiB")

@@ -32,8 +32,10 @@ from contextlib import contextmanager
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
+from gdn_memory_plan import kernels_replaced  # noqa: E402
 
 from deltafuse.ops.gated_delta import chunk_launch  # noqa: E402
 from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
@@ -60,25 +62,22 @@ class _Recorder:
 def recording(shared_memory: int | None):
     """Every kernel of ``chunk_launch`` recorded instead of run, and the device's shared memory per program set to
     ``shared_memory`` bytes, until the block ends; yields the list of launches."""
-    kernels = {name: obj for name, obj in vars(chunk_launch).items() if type(obj).__name__ == "JITFunction"}
     launches: list = []
     saved_shared = chunk_launch._shared_memory
     try:
-        for name, kernel in kernels.items():
-            setattr(chunk_launch, name, _Recorder(name, kernel, launches))
         chunk_launch._shared_memory = lambda index: shared_memory
         chunk_launch.pass_stages.cache_clear()
-        yield launches
+        with kernels_replaced(lambda name, kernel: _Recorder(name, kernel, launches)):
+            yield launches
     finally:
-        for name, kernel in kernels.items():
-            setattr(chunk_launch, name, kernel)
         chunk_launch._shared_memory = saved_shared
         chunk_launch.pass_stages.cache_clear()
 
 
 def launches_of(shape: tuple[int, ...], options: ChunkOptions, dtype=torch.bfloat16, shared_memory=H200_SHARED):
-    """The kernel launches of one forward+backward of the op at ``shape`` (B, T, H, HV, D), l2norm in the kernel,
-    initial state and final state included, in launch order."""
+    """(launches, forward) of one forward+backward of the op at ``shape`` (B, T, H, HV, D), l2norm in the kernel,
+    initial state and final state included: every launch in order, and how many of them the forward made (the
+    backward's, its recompute of the forward's first kernels included, follow)."""
     if chunk_launch._interpreting():
         raise SystemExit("gdn_registers.py: TRITON_INTERPRET is set; unset it (this compiles for a GPU, the "
                          "interpreter's tiles are not the GPU's)")
@@ -89,8 +88,9 @@ def launches_of(shape: tuple[int, ...], options: ChunkOptions, dtype=torch.bfloa
     with recording(shared_memory) as launches:
         o, ht = chunk_mod.chunk_gated_delta_rule_triton(q, k, v, g, beta, D**-0.5, h0, True, True, None,
                                                         options=options)
+        forward = len(launches)
         torch.autograd.backward([o, ht], [torch.empty_like(o), torch.empty_like(ht)])
-    return launches
+    return launches, forward
 
 
 def _signature(kernel, args, kwargs):
@@ -134,12 +134,13 @@ def _cuobjdump() -> str:
     return path
 
 
-def resources(kernel, args, kwargs, arch: int) -> dict:
-    """Registers, stack bytes (spills) and shared memory of one launch compiled for sm_``arch``."""
+def resources(kernel, launch_signature, arch: int) -> dict:
+    """Registers, stack bytes (spills) and shared memory of one launch (its ``_signature``) compiled for
+    sm_``arch``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature, constexprs, attrs, warps, stages = _signature(kernel, args, kwargs)
+    signature, constexprs, attrs, warps, stages = launch_signature
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,30 +157,28 @@ def resources(kernel, args, kwargs, arch: int) -> dict:
 def report(shape, options: ChunkOptions, arch: int = 90, shared_memory: int | None = H200_SHARED,
            dtype=torch.bfloat16, kernels: tuple[str, ...] | None = None) -> tuple[list[dict], list]:
     """(rows, sequence) of a forward+backward. One row per distinct launch (kernel and compile-time constants): the
-    kernel, the pass (forward or backward), its programs (first grid axis times the rest) and its resources
+    kernel, the pass that launched it ("fwd", or "bwd" for the backward's, its recompute of the forward's first
+    kernels included), its programs (first grid axis times the rest) and its resources
     (``resources``); only the kernels named in ``kernels`` when given. The sequence: every launch in order, as
     (kernel, grid)."""
     rows, seen = [], {}
-    forward_done = False
-    launches = launches_of(shape, options, dtype, shared_memory)
+    launches, forward = launches_of(shape, options, dtype, shared_memory)
     sequence = [(name, [int(n) for n in grid]) for name, _, grid, _, _ in launches]
-    for name, kernel, grid, args, kwargs in launches:
+    for i, (name, kernel, grid, args, kwargs) in enumerate(launches):
         if kernels is not None and name not in kernels:
-            forward_done = forward_done or name == "_dv_local"
             continue
-        signature, constexprs, attrs, warps, stages = _signature(kernel, args, kwargs)
+        launch_signature = _signature(kernel, args, kwargs)
+        signature, constexprs, attrs, warps, stages = launch_signature
         key = (name, tuple(sorted(signature.items())), tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
-               tuple(sorted(attrs)), warps, stages)
-        if name == "_dv_local":
-            forward_done = True  # the backward's own kernels start here (it first re-runs the forward's)
-        programs = 1
-        for n in (grid if isinstance(grid, tuple) else (grid,)):
-            programs *= int(n)
+               tuple(sorted(attrs)), warps, stages, i < forward)
         if key in seen:
             seen[key]["launches"] += 1
             continue
-        row = dict(kernel=name, passes="bwd" if forward_done else "fwd", programs=programs, launches=1,
-                   **resources(kernel, args, kwargs, arch))
+        programs = 1
+        for n in grid:
+            programs *= int(n)
+        row = dict(kernel=name, passes="fwd" if i < forward else "bwd", programs=programs, launches=1,
+                   **resources(kernel, launch_signature, arch))
         seen[key] = row
         rows.append(row)
     return rows, sequence
@@ -187,7 +186,7 @@ def report(shape, options: ChunkOptions, arch: int = 90, shared_memory: int | No
 
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tune_gdn import parse_shape, parse_variant
+    from tune_gdn import shape_and_options
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="1,4096,16,32,128", help="B,T,H,HV,D")
@@ -199,18 +198,15 @@ def main() -> None:
     ap.add_argument("--kernels", default="", help="compile only these kernels, NAME,NAME,... (default: all)")
     ap.add_argument("--json", default="", help="also write the rows and the launch sequence to this JSON file")
     args = ap.parse_args()
-    try:
-        shape = parse_shape(args.shape)
-    except ValueError as e:
-        ap.error(f"--shape {e}")
-    try:
-        options = parse_variant(args.options)
-    except ValueError as e:
-        ap.error(f"--options: {e}")
+    shape, options = shape_and_options(ap, args.shape, args.options)
     if args.arch < 70:
         ap.error(f"--arch {args.arch}; allowed: a CUDA compute capability of 70 or more, as an int (90 for sm_90)")
     if args.shared_memory < 1:
         ap.error(f"--shared-memory {args.shared_memory}; allowed: a positive number of bytes")
+    folder = os.path.dirname(os.path.abspath(args.json)) if args.json else ""
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+        ap.error(f"--json {args.json!r}; allowed: a file path in an existing, writable folder (it is written after "
+                 "the compilations)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     known = {name for name, obj in vars(chunk_launch).items() if type(obj).__name__ == "JITFunction"}
     kernels = tuple(filter(None, args.kernels.split(","))) or None

@@ -62,6 +62,18 @@ def parse_shape(text: str) -> tuple[int, ...]:
     raise ValueError(f"{text!r}; allowed: five positive ints B,T,H,HV,D")
 
 
+def shape_and_options(ap: argparse.ArgumentParser, shape: str, options: str):
+    """(shape, ChunkOptions) of a tool's ``--shape`` and ``--options`` values, or ``ap.error`` naming the bad one."""
+    try:
+        parsed = parse_shape(shape)
+    except ValueError as e:
+        ap.error(f"--shape {e}")
+    try:
+        return parsed, parse_variant(options)
+    except ValueError as e:
+        ap.error(f"--options: {e}")
+
+
 def parse_variant(spec: str) -> chunk_mod.ChunkOptions:
     """``ChunkOptions`` from "field=value,..." overrides of the defaults; ValueError names a bad field or value."""
     base = chunk_mod.DEFAULT_OPTIONS

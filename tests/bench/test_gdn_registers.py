@@ -56,7 +56,8 @@ def test_sequential_passes_compiled_fit_the_shared_memory_they_were_fitted_to(tm
         assert grids["_state_fwd"] == [4 * 128 // DEFAULT_OPTIONS.bv_hfwd]  # value heads x V blocks
         rows = got["rows"]
         # the forward's pass twice: in the forward (final state stored) and in the backward's recompute (not)
-        assert sorted(r["kernel"] for r in rows) == ["_state_bwd", "_state_fwd", "_state_fwd"]
+        assert sorted((r["kernel"], r["passes"]) for r in rows) == [("_state_bwd", "bwd"), ("_state_fwd", "bwd"),
+                                                                     ("_state_fwd", "fwd")]
         for r in rows:
             assert 0 < r["shared"] <= shared and 0 < r["registers"] <= 255, (shared, r)
             if stages is None:
@@ -71,6 +72,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     for args, message in [(("--shape", "1,64,2"), "--shape '1,64,2'; allowed: five positive ints"),
                           (("--kernels", "_nope"), "--kernels: ['_nope'] not among the op's kernels; allowed: "),
                           (("--options", "stages_hfwd=x"), "--options: stages_hfwd='x'; allowed: an int"),
-                          (("--shared-memory", "0"), "--shared-memory 0; allowed: a positive number of bytes")]:
+                          (("--shared-memory", "0"), "--shared-memory 0; allowed: a positive number of bytes"),
+                          (("--json", str(tmp_path / "no" / "r.json")), "allowed: a file path in an existing, "),
+                          (("--json", str(tmp_path)), "allowed: a file path in an existing, ")]:
         proc = _run(tmp_path, *args)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])

@@ -551,6 +551,18 @@ def test_fp32_storage_of_16bit_inputs_is_refused_on_a_gpu(monkeypatch, which):
     assert chunk_launch.PassConfig(torch.bfloat16, 128, 128, which, chunk_mod.DEFAULT_OPTIONS).store == torch.bfloat16
 
 
+@pytest.mark.parametrize("fwd_x2", [True, False])
+@pytest.mark.parametrize("bwd_x2", [True, False])
+def test_backward_recomputes_the_intra_kernel_as_the_forward_ran_it(fwd_x2, bwd_x2):
+    """The backward reruns the in-chunk kernel to recompute w, u and T: its product mode follows fwd_x2 in both
+    passes, so the backward differentiates what the forward computed; bwd_x2 keeps its own kernels (_dv_local)."""
+    opts = chunk_mod.ChunkOptions(fwd_x2=fwd_x2, bwd_x2=bwd_x2)
+    fwd, bwd = (chunk_launch.PassConfig(torch.bfloat16, 128, 128, w, opts) for w in ("fwd", "bwd"))
+    want = chunk_options.PROD_MODES["x2" if fwd_x2 else "tf32"]
+    assert fwd.intra_mode == bwd.intra_mode == want
+    assert (fwd.X2, bwd.X2) == (fwd_x2, bwd_x2)
+
+
 def test_fwd_v2_options_are_validated():
     with pytest.raises(ValueError, match="fwd_prod_sv='bf16'; allowed: 'tf32', '16', 'x2'"):
         chunk_mod.ChunkOptions(fwd_prod_sv="bf16")

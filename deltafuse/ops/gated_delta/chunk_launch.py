@@ -142,10 +142,12 @@ class PassConfig:
         # precision of fp32-operand products: exact in the interpreter, three-pass tf32 for fp32 inputs
         self.PREC = "ieee" if interp else ("tf32x3" if full else "tf32")
         self.X2 = (not full) and bool(getattr(opts, which + "_x2"))
-        # the in-chunk kernel: inverse of the diagonal blocks, product mode of T with k and v (kernel_fwd._dot_ma)
+        # the in-chunk kernel: inverse of the diagonal blocks, product mode of T with k and v (kernel_fwd._dot_ma).
+        # The backward reruns it to recompute w, u and T, so both passes take the forward's fwd_x2: the backward
+        # then differentiates exactly what the forward computed, whatever bwd_x2 says.
         self.INV = INV_MODES[opts.intra_inv]
         self.intra_mode = PROD_MODES["16"] if (not full and opts.intra_prod == "16") else (
-            PROD_MODES["x2"] if self.X2 else PROD_MODES["tf32"])
+            PROD_MODES["x2"] if (not full and opts.fwd_x2) else PROD_MODES["tf32"])
         if not (full or interp) and getattr(opts, which + "_store") == "fp32":
             # the sequential pass with fp32-stored states and 16-bit inputs gave NaN outputs and then an illegal
             # memory access on the H200 with Triton 3.6 (BENCHMARKS.md#gdn-v2-combined); the interpreter tests keep it

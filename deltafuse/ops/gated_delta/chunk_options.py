@@ -27,9 +27,9 @@ class ChunkOptions:
     ``*_store``: dtype of the stored per-token / per-chunk intermediates (w, u, v', chunk states and their
     gradients): "input" (the inputs' 16-bit dtype) or "fp32". ``*_x2``: products of an fp32 operand with a
     16-bit one split the fp32 operand into two 16-bit parts (about 16 mantissa bits) instead of rounding it
-    to 16 bits or using tf32 (``fwd_x2``: in the forward's intra kernel; its later kernels take
-    ``fwd_prod_*`` below. ``bwd_x2``: in the backward's intra kernel and ``_dv_local``; the reverse pass takes
-    ``sbwd_prod_*``). fp32 inputs always use fp32 storage and three-pass tf32 products.
+    to 16 bits or using tf32 (``fwd_x2``: in the intra kernel, both where the forward runs it and where the
+    backward reruns it to recompute w, u and T; the forward's later kernels take ``fwd_prod_*`` below.
+    ``bwd_x2``: in ``_dv_local``; the reverse pass takes ``sbwd_prod_*``). fp32 inputs always use fp32 storage and three-pass tf32 products.
     ``bv_<kernel>`` / ``warps_<kernel>``: value-tile width and warps per kernel; ``stages``: pipeline stages.
 
     Forward kernels (the forward's sequential pass ``hfwd``, which the backward recomputes with the same settings,
@@ -120,7 +120,7 @@ class ChunkOptions:
     # (I + A^4)(I + A^8): six batched fp32 [4, 16, 16] products; loses digits when A's entries approach 1), or
     # "recursive" (the inverted block size doubled 1 -> 2 -> 4 -> 8 -> 16: six batched fp32 products, as
     # accurate as the substitution). intra_prod: products of T with the 16-bit k and v for w and u: "x2" (as
-    # fwd_x2 / bwd_x2 say: split T into two 16-bit parts, or one tf32 product) or "16" (T rounded to 16 bits,
+    # fwd_x2 says, in both passes: split T into two 16-bit parts, or one tf32 product) or "16" (T rounded to 16 bits,
     # one product; 16-bit inputs only, fp32 inputs always take fp32 products).
     intra_inv: str = "recursive"
     intra_prod: str = "x2"

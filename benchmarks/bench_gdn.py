@@ -5,7 +5,8 @@ time and peak memory, for the HF torch fallback, FLA and deltafuse's Triton kern
 
 Correctness: relative RMS error vs the float64 step-by-step oracle at a small shape, for o and for each
 gradient (random upstream gradient). Timing: median of ``triton.testing.do_bench`` after warm-up, on
-random non-zero bf16 data, with use_qk_l2norm_in_kernel=True. Memory: peak allocated during one
+random non-zero bf16 data, with use_qk_l2norm_in_kernel=True; ``--gates`` sets how fast the gates decay (see
+``make``). Memory: peak allocated during one
 forward+backward minus what was allocated before it (inputs and upstream gradient excluded; the gradients it
 produces included: up to session 18 the base still held the warm-up call's gradients, so the figures of those
 runs are lower by about their size).
@@ -76,15 +77,29 @@ def cu_of(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64, device="cuda")
 
 
-def make(B, T, H, HV, D, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+# How fast the inputs' gates decay (--gates): "fast", g = -softplus(1.5 z - 0.5) with z standard normal (about
+# -0.7 a token, e^-45 a 64-token chunk: a state is forgotten within one chunk); "spread", the same times a
+# factor per value head, 10^u with u uniform in [-4, 0] (one draw per head and run): from that fast decay down
+# to 1e-4 of it (about e^-0.005 a chunk), heads that keep their state over the whole sequence. The kernels'
+# arithmetic does not depend on the gates' values, but an implementation that skips history that has decayed
+# away (FlashQLA's auto_cp cuts it at e^-10) does.
+GATES = ("fast", "spread")
+gates_mode = "fast"
+
+
+def make(B, T, H, HV, D, dtype=torch.bfloat16, seed=0, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
     q = r(B, T, H, D).to(dtype)
     k = r(B, T, H, D).to(dtype)
     v = r(B, T, HV, D).to(dtype)
-    g = (-torch.nn.functional.softplus(r(B, T, HV) * 1.5 - 0.5)).to(dtype)
+    g = -torch.nn.functional.softplus(r(B, T, HV) * 1.5 - 0.5)
     beta = torch.sigmoid(r(B, T, HV)).to(dtype)
-    return q, k, v, g, beta
+    if gates_mode == "spread":  # drawn last: every other input is the same as with "fast"
+        g = g * 10.0 ** (-4.0 * torch.rand(HV, device=device, generator=gen))
+    elif gates_mode != "fast":
+        raise ValueError(f"gates_mode={gates_mode!r}; allowed: {', '.join(GATES)}")
+    return q, k, v, g.to(dtype), beta
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -394,7 +409,12 @@ def main():
     ap.add_argument("--packed-heads", default="16,32,128", help="H,HV,D of the packed rows")
     ap.add_argument("--packed-check", default="1,3,64,65,200,1,2,16,9,1",
                     help="sequence lengths of the packed correctness check (same heads)")
+    ap.add_argument("--gates", default="fast", choices=GATES,
+                    help="how fast the inputs' gates decay: 'fast' (every head forgets within a 64-token chunk) "
+                    "or 'spread' (per head, from that down to 1e-4 of it: long memories); see make()")
     args = ap.parse_args()
+    global gates_mode
+    gates_mode = args.gates
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     layouts = [x for x in args.packed.split(",") if x]
     unknown = [x for x in layouts if x not in PACKED]
@@ -406,6 +426,7 @@ def main():
     check_lengths = [int(x) for x in args.packed_check.split(",")]
     check_shape = tuple(int(x) for x in args.check_shape.split(","))
     info = stack()
+    info["gates"] = args.gates
     print("stack:", json.dumps(info))
     skip = set(filter(None, args.skip.split(",")))
 
@@ -478,7 +499,8 @@ def main():
 
     # table
     by = {(r["impl"], tuple(r["shape"])): r for r in results["rows"] if "shape" in r}
-    lines = ["| (B,T,H,HV,D) | impl | correct | fwd ms | fwd+bwd ms | peak GiB | fwd+bwd vs ours |",
+    lines = [f"gates: {args.gates}", "",
+             "| (B,T,H,HV,D) | impl | correct | fwd ms | fwd+bwd ms | peak GiB | fwd+bwd vs ours |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for shape in shapes:
         ref = by.get(("ours", tuple(shape)), {}).get("fwdbwd_ms")

@@ -1,0 +1,49 @@
+"""`benchmarks/bench_gdn.py --gates`: the inputs' gate decay, fast for every head or spread over heads."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+spec = importlib.util.spec_from_file_location("bench_gdn", os.path.join(ROOT, "benchmarks", "bench_gdn.py"))
+bench_gdn = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_gdn)
+
+
+def _make(monkeypatch, mode, seed):
+    monkeypatch.setattr(bench_gdn, "gates_mode", mode)
+    return bench_gdn.make(1, 300, 2, 16, 8, dtype=torch.float32, seed=seed, device="cpu")
+
+
+def test_fast_gates_forget_within_a_chunk(monkeypatch):
+    g = _make(monkeypatch, "fast", int(torch.randint(0, 2**31 - 1, ())))[3]
+    assert (g < 0).all()
+    # every head's decay over any one 64-token chunk is below e^-13
+    chunks = g[0, :256].double().reshape(4, 64, -1).sum(1)
+    assert chunks.max().item() < -13
+
+
+def test_spread_is_fast_times_a_per_head_factor(monkeypatch):
+    """Same seed, same draws: "spread" is "fast" times one factor per value head, in [1e-4, 1], spread over
+    more than a decade across 16 heads; q, k, v and beta are unchanged."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    fast = _make(monkeypatch, "fast", seed)
+    spread = _make(monkeypatch, "spread", seed)
+    for name, a, b in zip(("q", "k", "v", "beta"), fast[:3] + fast[4:], spread[:3] + spread[4:]):
+        assert torch.equal(a, b), name
+    assert (spread[3] < 0).all()
+    factor = spread[3] / fast[3]  # [1, T, HV]
+    per_head = factor[0, 0]
+    torch.testing.assert_close(factor, per_head.expand_as(factor), rtol=1e-6, atol=0)
+    assert (per_head >= 1e-4 * (1 - 1e-6)).all() and (per_head <= 1).all()
+    assert per_head.max() / per_head.min() > 10  # 16 heads spread over four decades, not one value
+
+
+def test_unknown_gates_mode_is_refused(monkeypatch):
+    monkeypatch.setattr(bench_gdn, "gates_mode", "slow")
+    with pytest.raises(ValueError, match="gates_mode='slow'; allowed: fast, spread"):
+        bench_gdn.make(1, 4, 1, 2, 8, dtype=torch.float32, device="cpu")

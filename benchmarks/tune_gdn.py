@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_gdn import SHAPES, breakdown, make, ours, rel, stack, timing  # noqa: E402
+import bench_gdn  # noqa: E402
+from bench_gdn import GATES, SHAPES, breakdown, make, ours, rel, stack, timing  # noqa: E402
 
 from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
@@ -131,7 +132,10 @@ def main():
     ap.add_argument("--check-shape", default="1,1024,16,32,128", help="B,T,H,HV,D of the oracle check")
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--iters", type=int, default=8, help="runs per stage timing")
+    ap.add_argument("--gates", default="fast", choices=GATES,
+                    help="how fast the inputs' gates decay (bench_gdn.py --gates): 'fast' or 'spread'")
     args = ap.parse_args()
+    bench_gdn.gates_mode = args.gates
     specs = SWEEP if args.variants is None else args.variants.split(";")
     try:
         i, n = (int(x) for x in args.part.split("/"))
@@ -145,7 +149,7 @@ def main():
         ap.error(f"--variants: {e}")
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(j)] for j in args.shapes.split(",")]
     oracle = Oracle(tuple(int(x) for x in args.check_shape.split(",")))
-    result = {"stack": stack(), "check_shape": args.check_shape, "variants": []}
+    result = {"stack": stack(), "check_shape": args.check_shape, "gates": args.gates, "variants": []}
     for spec, opt in zip(specs, opts):
         row = {"variant": spec or "defaults", "shapes": {}}
         with chunk_mod.configured(opt):

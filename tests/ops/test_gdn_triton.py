@@ -563,6 +563,37 @@ def test_backward_recomputes_the_intra_kernel_as_the_forward_ran_it(fwd_x2, bwd_
     assert (fwd.X2, bwd.X2) == (fwd_x2, bwd_x2)
 
 
+def test_fwd_store_v_keeps_u_and_v_prime_in_fp32_and_brings_o_closer_to_float64():
+    """fwd_store_v="fp32": the forward's u / v' buffer is fp32 (the backward's stays in the inputs' dtype), and on
+    fp16 inputs with slowly decaying gates (the state carries the whole sequence) o is closer to the float64
+    oracle than with that buffer in fp16, by at least 1.2x (an fp64 model of the roundings gives 1.3-1.4x), while
+    every gradient stays within 2e-3 of float64; a bad value is one line naming the field and what is allowed."""
+    fp32v = chunk_mod.ChunkOptions(fwd_store_v="fp32")
+    assert chunk_launch.PassConfig(torch.bfloat16, 128, 128, "fwd", fp32v).store_v == torch.float32
+    assert chunk_launch.PassConfig(torch.bfloat16, 128, 128, "bwd", fp32v).store_v == torch.bfloat16
+    assert chunk_launch.PassConfig(torch.bfloat16, 128, 128, "fwd", chunk_mod.DEFAULT_OPTIONS).store_v == torch.bfloat16
+    with pytest.raises(ValueError, match="ChunkOptions.fwd_store_v='bf16'; allowed: 'input', 'fp32'"):
+        chunk_mod.ChunkOptions(fwd_store_v="bf16")
+    xs, cu_t = make_inputs(1, 200, 1, 2, 32, 32, dtype=torch.float16, h0=True, l2=True)
+    xs["g"] = (xs["g"].float() * 1e-3).half()  # barely decaying: e^-0.05 over a chunk
+    ref = {n: x.detach().double().requires_grad_() for n, x in xs.items()}
+    ro, _ = naive_gated_delta_rule(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], 32**-0.5,
+                                   ref["initial_state"], False, True)
+    do = torch.randn_like(ro)
+    (ro * do).sum().backward()
+    errs = {}
+    for name, opts in (("input", chunk_mod.DEFAULT_OPTIONS), ("fp32", fp32v)):
+        ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
+        o, _ = chunk_gated_delta_rule_triton(ours["q"], ours["k"], ours["v"], ours["g"], ours["beta"], 32**-0.5,
+                                             ours["initial_state"], False, True, options=opts)
+        assert o.dtype == torch.float16 and torch.isfinite(o).all()
+        errs[name] = rel_rms(o, ro)
+        (o.double() * do).sum().backward()
+        for n, x in ours.items():
+            assert rel_rms(x.grad, ref[n].grad) <= (5e-3 if n in ("g", "beta") else 2e-3), (name, n)
+    assert errs["fp32"] * 1.2 <= errs["input"], errs
+
+
 def test_fwd_v2_options_are_validated():
     with pytest.raises(ValueError, match="fwd_prod_sv='bf16'; allowed: 'tf32', '16', 'x2'"):
         chunk_mod.ChunkOptions(fwd_prod_sv="bf16")
@@ -636,6 +667,7 @@ FWD_GPU_OPTIONS = [
     dict(bv_out=128, bk_out=128, warps_out=8, stages_out=3),
     dict(bv_out=32, bk_out=64, warps_out=2, stages_out=1),
     dict(bv_out=64, bk_out=128, warps_out=4, stages_out=2),
+    dict(fwd_store_v="fp32"),
 ]
 FWD_GPU_CASES = [(o, 128, 128) for o in FWD_GPU_OPTIONS] + [(o, K, V) for o in FWD_GPU_OPTIONS[:2]
                                                              for K, V in ((16, 16), (64, 32))]

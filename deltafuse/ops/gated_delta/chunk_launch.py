@@ -155,6 +155,8 @@ class PassConfig:
                              "refused on a GPU (NaN outputs and an illegal memory access on the H200 with Triton "
                              "3.6); allowed: 'input' (fp32 inputs always store fp32)")
         self.store = torch.float32 if (full or getattr(opts, which + "_store") == "fp32") else dtype
+        # the u / v' buffer: the forward may keep it in fp32 alone (fwd_store_v); the backward's follows bwd_store
+        self.store_v = torch.float32 if (which == "fwd" and opts.fwd_store_v == "fp32") else self.store
         vmax = max(16, triton.next_power_of_2(V))
         names = ("intra", "dvl", "wy", "bo")
         self.bv = {n: min(vmax, 16 if interp else getattr(opts, "bv_" + n)) for n in names}
@@ -214,7 +216,7 @@ def prepare(k, rk, v, g, beta, plan, cfg, L2, store_t, gates: Gates = NONE):
     dev = k.device
     gc = torch.empty(TT, HV, device=dev, dtype=torch.float32)
     w = torch.empty(TT, HV, K, device=dev, dtype=cfg.store)
-    u = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+    u = torch.empty(TT, HV, V, device=dev, dtype=cfg.store_v)
     tinv = torch.empty(TT, HV, BT, device=dev, dtype=torch.float32) if store_t else None
     if plan.NC:
         _intra_fwd[(plan.NC, HV)](k, rk if L2 else gc, v, g, beta, gc, w, u, tinv if store_t else gc, plan.chunks,

@@ -155,8 +155,10 @@ class PassConfig:
                              "refused on a GPU (NaN outputs and an illegal memory access on the H200 with Triton "
                              "3.6); allowed: 'input' (fp32 inputs always store fp32)")
         self.store = torch.float32 if (full or getattr(opts, which + "_store") == "fp32") else dtype
-        # the u / v' buffer: the forward may keep it in fp32 alone (fwd_store_v); the backward's follows bwd_store
-        self.store_v = torch.float32 if (which == "fwd" and opts.fwd_store_v == "fp32") else self.store
+        # the u buffer of the in-chunk kernel (the forward writes v' over it): fp32 under fwd_store_v in both passes,
+        # so that the backward's recompute of the states is the forward's; the backward's own v' buffer, read by
+        # _bwd_out, stays in self.store
+        self.store_v = torch.float32 if opts.fwd_store_v == "fp32" else self.store
         vmax = max(16, triton.next_power_of_2(V))
         names = ("intra", "dvl", "wy", "bo")
         self.bv = {n: min(vmax, 16 if interp else getattr(opts, "bv_" + n)) for n in names}

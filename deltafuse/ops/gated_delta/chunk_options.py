@@ -47,11 +47,11 @@ class ChunkOptions:
 
     fwd_store: str = "input"
     bwd_store: str = "input"
-    # fwd_store_v: dtype of the forward's u / v' buffer [tokens, HV, V] alone ("input" or "fp32"; fwd_store="fp32"
-    # or fp32 inputs make it fp32 too). Rounding u and v' to 16 bits is the largest error of the forward's
-    # output after the output's own rounding: in an fp64 model of the kernels' roundings (bf16, 2,048 tokens, D =
-    # 128) it takes o from 1.7e-3 to 2.4e-3 relative RMS with gates that forget within a chunk, and from 2.6e-3 to
-    # 3.3e-3 with gates that barely decay (over the 3e-3 bound).
+    # fwd_store_v: dtype of the forward's u / v' buffer [tokens, HV, V] alone, and of the u buffer of the
+    # backward's recompute ("input" or "fp32"; fwd_store="fp32" or fp32 inputs make it fp32 too). Rounding u and v'
+    # to 16 bits is the largest error of the forward's output after the output's own rounding: in an fp64 model of
+    # the kernels' roundings (bf16, 2,048 tokens, D = 128) it takes o from 1.7e-3 to 2.4e-3 relative RMS with gates
+    # that forget within a chunk, and from 2.6e-3 to 3.3e-3 with gates that barely decay (over the 3e-3 bound).
     fwd_store_v: str = "input"
     fwd_x2: bool = True
     bwd_x2: bool = True

@@ -52,7 +52,9 @@ class ChunkOptions:
     # to 16 bits is the largest error of the forward's output after the output's own rounding: in an fp64 model of
     # the kernels' roundings (bf16, 2,048 tokens, D = 128) it takes o from 1.7e-3 to 2.4e-3 relative RMS with gates
     # that forget within a chunk, and from 2.6e-3 to 3.3e-3 with gates that barely decay (over the 3e-3 bound).
-    fwd_store_v: str = "input"
+    # fp32 by default: on an H100, with heads that keep a long memory, it takes o from 3.2e-3 to 2.6e-3 at 1x4,096
+    # tokens for 3 % more forward+backward time at 16 K-64 K tokens and the same peak (BENCHMARKS.md#gdn-store-v-s25).
+    fwd_store_v: str = "fp32"
     fwd_x2: bool = True
     bwd_x2: bool = True
     bv_intra: int = 128

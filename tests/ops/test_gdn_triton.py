@@ -49,9 +49,7 @@ def make_inputs(B, T, H, HV, K, V, *, dtype, h0=True, cu=None, g_mode="normal", 
         g = -1e-4 * torch.rand(B, T, HV, generator=gen)
     elif g_mode == "strong":
         g = torch.where(torch.rand(B, T, HV, generator=gen) < 0.3, torch.full_like(g, -30.0), g)
-    elif g_mode == "spread":  # one factor 10^u per value head, u in [-4, 0]: from forgetting within a chunk to
-        g = g * 10.0 ** (-4.0 * torch.rand(HV, generator=gen))  # keeping a memory over thousands of tokens
-    elif g_mode != "normal":
+    elif g_mode not in ("normal", "spread"):  # spread: below, drawn last
         raise ValueError(f"g_mode={g_mode!r}; allowed: 'normal', 'tiny', 'strong', 'spread'")
     beta = torch.sigmoid(r(B, T, HV))
     if beta_mode == "extreme":
@@ -59,6 +57,10 @@ def make_inputs(B, T, H, HV, K, V, *, dtype, h0=True, cu=None, g_mode="normal", 
         beta = torch.where(pick < 0.3, torch.zeros_like(beta), torch.where(pick > 0.7, torch.ones_like(beta), beta))
     N = B if cu is None else len(cu) - 1
     s0 = r(N, HV, K, V) if h0 else None
+    if g_mode == "spread":
+        # one factor 10^u per value head, u in [-4, 0]: from forgetting within a chunk to keeping a memory over
+        # thousands of tokens (as bench_gdn.py --gates spread); drawn last, so every other input is "normal"'s
+        g = g * 10.0 ** (-4.0 * torch.rand(HV, generator=gen))
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device) if cu is not None else None
     xs = dict(q=q, k=k, v=v, g=g, beta=beta)
     xs = {n: x.to(device=device, dtype=dtype) for n, x in xs.items()}
@@ -568,6 +570,21 @@ def test_backward_recomputes_the_intra_kernel_as_the_forward_ran_it(fwd_x2, bwd_
     want = chunk_options.PROD_MODES["x2" if fwd_x2 else "tf32"]
     assert fwd.intra_mode == bwd.intra_mode == want
     assert (fwd.X2, bwd.X2) == (fwd_x2, bwd_x2)
+
+
+def test_spread_gates_scale_each_value_head_by_one_factor():
+    """make_inputs(g_mode="spread") (the GPU suite's long-memory case): the same draw as "normal" except g, which
+    is multiplied by one factor in [1e-4, 1] per value head; an unknown g_mode is refused in one line."""
+    normal, _ = make_inputs(2, 50, 1, 4, 16, 16, dtype=torch.float32, seed=7)
+    spread, _ = make_inputs(2, 50, 1, 4, 16, 16, dtype=torch.float32, seed=7, g_mode="spread")
+    for n in ("q", "k", "v", "beta", "initial_state"):
+        assert torch.equal(normal[n], spread[n]), n
+    ratio = spread["g"].double() / normal["g"].double()
+    factor = ratio[0, 0]
+    assert ((factor >= 1e-4) & (factor <= 1)).all() and factor.unique().numel() == 4
+    torch.testing.assert_close(ratio, factor.expand_as(ratio), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="g_mode='slow'; allowed: 'normal', 'tiny', 'strong', 'spread'"):
+        make_inputs(1, 4, 1, 1, 16, 16, dtype=torch.float32, g_mode="slow")
 
 
 def test_fwd_store_v_keeps_u_and_v_prime_in_fp32_and_brings_o_closer_to_float64():

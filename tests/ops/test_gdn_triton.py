@@ -764,6 +764,10 @@ V2_SWITCHES = [
     dict(sbwd_prod_kd="16", sbwd_prod_qd="tf32", sbwd_prod_wd="x2"),
     # fp32 intermediates (interpreter only: refused on a GPU): dv' in fp32, so dv gets its own fp16 buffer
     dict(bwd_store="fp32"),
+    # the reverse pass's w^T dv' formed from T, its T^T dv' product in each mode
+    dict(sbwd_from_t=True),
+    dict(sbwd_from_t=True, sbwd_prod_td="x2", sbwd_prod_wd="x2"),
+    dict(sbwd_from_t=True, sbwd_prod_td="16"),
 ]
 
 
@@ -1056,6 +1060,39 @@ def test_wy_recompute_t_fp16(G, l2):
                     h0=True, l2=l2, cu=[0, 1, 65, 130])
 
 
+@pytest.mark.parametrize("shape,opts", [c[1:] for c in RECOMPUTE_T_CASES], ids=[c[0] for c in RECOMPUTE_T_CASES])
+def test_sbwd_from_t_fp32(shape, opts):
+    """sbwd_from_t (the reverse pass forms w^T dv' from the stored T instead of reading w): every output and gradient
+    within the fp32 bound of float64; on one more draw, the initial state's gradient (which every chunk's update of
+    the state gradient reaches) not bit-equal to that of the stored w (the switch took effect: the two products
+    round differently)."""
+    from_t = chunk_mod.ChunkOptions(sbwd_from_t=True)
+    with chunk_mod.configured(from_t):
+        check_chunk(*shape, dtype=torch.float32, tol_o=FP32_TOL, tol_grad=FP32_TOL, tol_gb=FP32_TOL, **opts)
+    B, T, H, HV, K, V = shape
+    xs, cu_t = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, h0=True, cu=opts.get("cu"), l2=opts["l2"])
+    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
+    dht = torch.randn(xs["initial_state"].shape, generator=gen, dtype=torch.float64)
+    stored = _v2_grads(xs, cu_t, do, dht, opts["l2"], chunk_mod.DEFAULT_OPTIONS)
+    got = _v2_grads(xs, cu_t, do, dht, opts["l2"], from_t)
+    assert not torch.equal(got["initial_state"], stored["initial_state"])
+
+
+@pytest.mark.parametrize("from_t", [False, True], ids=["w", "from_t"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_backward_buffers_shared_at_qwen_head_sizes(dtype, from_t):
+    """Where a token and value head of T and of the dk partials hold the same bytes (K = 128 at 16-bit partials,
+    K = 64 at fp32 ones), the dk partials are written over T, and the dq partials over v' where theirs agree with
+    v''s (K = V): the head sizes of a Qwen3.5 layer at fp16 and fp32 take both, with two value heads per q/k head,
+    partial chunks and packed sequences, and every output and gradient stays within its bound of float64."""
+    D = 128 if dtype == torch.float16 else 64
+    tol = dict(tol_o=2e-3, tol_grad=2e-3, tol_gb=5e-3) if dtype == torch.float16 else dict(
+        tol_o=FP32_TOL, tol_grad=FP32_TOL, tol_gb=FP32_TOL)
+    with chunk_mod.configured(chunk_mod.ChunkOptions(sbwd_from_t=from_t)):
+        check_chunk(1, 100, 1, 2, D, D, dtype=dtype, h0=True, l2=True, cu=[0, 30, 100], **tol)
+
+
 # id, (B, T, H, HV, K, V), options: groups of 2 and 4 value heads, partial chunks, packed, V over two tiles
 GROUP_LOOP_CASES = [
     ("G2_varlen", (1, 130, 1, 2, 16, 16), dict(h0=True, l2=True, cu=[0, 1, 65, 130])),
@@ -1095,6 +1132,16 @@ def test_bwd_group_loop_bf16_gpu(shape, opts):
     """bwd_group_loop with wy_recompute_t compiled for the GPU on the Qwen3.5 shapes of test_chunk_bf16_gpu, forward
     and backward in bf16 against the float64 oracle (a configuration that fails here must not become a default)."""
     with chunk_mod.configured(chunk_mod.ChunkOptions(bwd_group_loop=True, wy_recompute_t=True)):
+        check_chunk(*shape, dtype=torch.bfloat16, **BF16, **opts)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape,opts", [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])
+def test_sbwd_from_t_bf16_gpu(shape, opts):
+    """sbwd_from_t compiled for the GPU on the Qwen3.5 shapes of test_chunk_bf16_gpu, forward and backward in bf16
+    against the float64 oracle (a configuration that fails here must not become a default)."""
+    with chunk_mod.configured(chunk_mod.ChunkOptions(sbwd_from_t=True)):
         check_chunk(*shape, dtype=torch.bfloat16, **BF16, **opts)
 
 

@@ -196,6 +196,16 @@ def _dense(x: torch.Tensor, make=torch.empty) -> torch.Tensor:
     return make(x.shape, device=x.device, dtype=x.dtype)
 
 
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _alias(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``buf``'s bytes as a contiguous tensor of ``dtype`` and ``shape`` (the caller checks that the byte layouts
+    of one token and head agree)."""
+    return buf.view(torch.uint8).view(dtype).view(shape)
+
+
 def _gate_args(gates: Gates, dummy: torch.Tensor) -> dict:
     """The kernels' gate arguments: the A_log and dt_bias pointers (``dummy`` where unused) and the switches."""
     return dict(alog_ptr=gates.A_log if gates.gate else dummy,
@@ -403,7 +413,13 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     # the forward's sequential pass again, with the forward's tiles and products: the backward differentiates
     # exactly what the forward computed
     state_pass(k, rk, w, u, gc, h0, hs, vn, None, plan, cfg, fc, L2)
+    # with sbwd_from_t the reverse pass forms w^T dv' from the stored T: w goes here, before the reverse pass's
+    # buffers exist (one [tokens, HV, K] buffer less at the backward's peak)
+    from_t = opts.sbwd_from_t and tinv is not None
     del u
+    if from_t:
+        del w
+        w = gc  # a placeholder argument the kernel does not read
     dvl = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
     if plan.NC:
         _dv_local[(plan.NC, HV)](q, k, rq, rk, gc, do, dvl, plan.chunks, scale, BV=cfg.bv["dvl"], X2=cfg.X2,
@@ -416,12 +432,15 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     dh0 = torch.empty(plan.N, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
     bv_sbwd = min(max(16, triton.next_power_of_2(V)), 16 if interp else opts.bv_sbwd)
     # as many stages as fit the device (fit_stages): one at fp32 storage on an H200
-    stages_sbwd = 1 if interp else pass_stages(opts.stages_sbwd, cfg.BK, bv_sbwd, q.element_size(), w.element_size(),
+    # a chunk's loads per stage: its w tile [64, BK], or its T tile (fp32 [64, 64], as many bytes as BK * 256 / BK)
+    w_row = 256 // cfg.BK if from_t else w.element_size()
+    stages_sbwd = 1 if interp else pass_stages(opts.stages_sbwd, cfg.BK, bv_sbwd, q.element_size(), w_row,
                                                (dvl.element_size(), do.element_size()), 2, dev.index)
     _state_bwd[(triton.cdiv(V, bv_sbwd) * plan.N * HV,)](
-        q, k, rq, rk, w, gc, do, dvl, dht if dht is not None else gc, dhs, dvn, dh0 if need_dh0 else gc, plan.cu,
-        plan.coff, scale, SQ=strides["sq"], SK=strides["sk"], BV=bv_sbwd, HAS_DHT=dht is not None,
-        STORE_DH0=need_dh0, KD=mode("sbwd_prod_kd"), QD=mode("sbwd_prod_qd"), WD=mode("sbwd_prod_wd"), **common,
+        q, k, rq, rk, w, tinv if from_t else gc, beta, gc, do, dvl, dht if dht is not None else gc, dhs, dvn,
+        dh0 if need_dh0 else gc, plan.cu, plan.coff, scale, SQ=strides["sq"], SK=strides["sk"], BV=bv_sbwd,
+        HAS_DHT=dht is not None, STORE_DH0=need_dh0, KD=mode("sbwd_prod_kd"), QD=mode("sbwd_prod_qd"),
+        WD=mode("sbwd_prod_wd"), FROM_T=from_t, TD=mode("sbwd_prod_td"), BSIG=gates.beta_sigmoid, **common,
         num_warps=warps(opts.warps_sbwd), num_stages=stages_sbwd)
     cfg.mark("state_bwd")
     del w, dvl  # (dvl is dvn now)
@@ -451,7 +470,13 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     gloop = opts.bwd_group_loop and G > 1
     part_dtype = torch.float32 if (full or opts.bwd_partials == "fp32") else q.dtype
     dgc = torch.empty(TT, HV, device=dev, dtype=torch.float32)
-    dkp = torch.empty(TT, H if gloop else HV, K, device=dev, dtype=part_dtype)
+    # The per-value-head dk partials take T's bytes where a token and value head of each hold the same bytes (K = 128
+    # at 16-bit partials): each _bwd_wy program loads its chunk's T tile before it writes the same bytes of dkp, and
+    # nothing else reads them. T is otherwise dead after _bwd_wy: one [tokens, HV, K] buffer less from here on.
+    dkp = (_alias(tinv, part_dtype, (TT, HV, K)) if not gloop and tinv is not None and K * _size(part_dtype) == 256
+           else None)
+    if dkp is None:
+        dkp = torch.empty(TT, H if gloop else HV, K, device=dev, dtype=part_dtype)
     programs = plan.NC * (H if gloop else HV)
     _bwd_wy[(programs,)](k, rk, v, beta, gc, gc if tinv is None else tinv, hs, dvn, dv, db, dgc, dkp, plan.chunks,
                          sk=k.stride(0), sv=v.stride(0), BV=cfg.bv["wy"], MODE=mode("prod_wy"),
@@ -465,7 +490,13 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
         dqp = dkp
     else:
         dq = dk = gc  # written by _bwd_reduce
-        dqp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
+        # the dq partials over v' where a token and value head of each hold the same bytes (K = V at 16-bit
+        # partials and storage): each _bwd_out program reads all of its chunk's v' tiles before it writes the same
+        # bytes of dqp (not with bo_two_pass, whose second pass reads v' again), and nothing else reads them
+        dqp = (_alias(vn, part_dtype, (TT, HV, K)) if not opts.bo_two_pass and K * _size(part_dtype) == V *
+               vn.element_size() else None)
+        if dqp is None:
+            dqp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
     _bwd_out[(programs,)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkp, dqp, dq, dk, dg, plan.chunks, scale, g,
                           pa_ptr=pa, pd_ptr=pd, **_gate_args(gates, gc), BV=cfg.bv["bo"], MODE=mode("prod_bo"),
                           TWO_PASS=opts.bo_two_pass, GLOOP=gloop, **strides, **common, num_warps=cfg.nw["bo"],

@@ -114,6 +114,14 @@ class ChunkOptions:
     sbwd_prod_kd: str = "16"
     sbwd_prod_qd: str = "16"
     sbwd_prod_wd: str = "16"
+    # sbwd_from_t: the reverse pass forms w^T dv' as khat^T diag(beta exp(gc)) (T^T dv') from the T that the
+    # backward's in-chunk kernel stores, instead of reading w: w is freed after the backward's recompute of the
+    # states, one [tokens, HV, K] buffer less at the reverse pass, for one more [64, 64] x [64, bv_sbwd] product per
+    # chunk there (with wy_recompute_t no T is stored and w is read). sbwd_prod_td: the mode of that product of two
+    # fp32 tiles: "tf32" (one product at the inputs' precision), "x2" (both split into two 16-bit parts, three
+    # 16-bit products) or "16" (both rounded to 16 bits, one product).
+    sbwd_from_t: bool = False
+    sbwd_prod_td: str = "tf32"
     bv_sbwd: int = 32
     warps_sbwd: int = 4
     stages_sbwd: int = 3
@@ -165,7 +173,7 @@ _CHOICES = (("fwd_store", ("input", "fp32")), ("bwd_store", ("input", "fp32")), 
             ("intra_inv", INV_MODES),
             ("intra_prod", ("x2", "16")), ("bwd_partials", ("input", "fp32")))
 _PRODUCTS = ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo", "sbwd_prod_kd",
-             "sbwd_prod_qd", "sbwd_prod_wd")
+             "sbwd_prod_qd", "sbwd_prod_wd", "sbwd_prod_td")
 DEFAULT_OPTIONS = ChunkOptions()
 # (options, stage hook) of calls that pass none: the defaults and no hook, except inside a ``configured`` block
 _DEFAULTS: contextvars.ContextVar[tuple[ChunkOptions, StageHook | None]] = contextvars.ContextVar(

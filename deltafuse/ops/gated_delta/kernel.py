@@ -29,13 +29,16 @@ others in ``kernel_bwd.py``; their launches in ``chunk_launch.py``, their tunabl
   once o is written; nothing but the inputs is kept for the backward.
 * ``_dv_local``    [chunk, value head]: the intra-chunk part of dv', scale lower_incl(q k^T o D)^T do.
 * ``_state_bwd``   [V block x sequence x value head, one axis]: the reverse pass; stores the gradient of the
-  state at every chunk end (``dhs``), the full gradient of v' (``dvn``) and the initial-state gradient.
+  state at every chunk end (``dhs``), the full gradient of v' (``dvn``) and the initial-state gradient. With
+  ``ChunkOptions.sbwd_from_t`` it forms w^T dv' from the stored T instead of reading w, which the backward then
+  frees after its recompute of the states.
 * ``_bwd_wy``      [chunk x value head, one axis]: back through w, u and T (dv, dbeta, the WY part of dg);
-  writes the WY part of dk as the start of the value head's dk partial.
+  writes the WY part of dk as the start of the value head's dk partial, over T's bytes where a token and value
+  head of both hold the same bytes (K = 128 at 16-bit partials).
 * ``_bwd_out``     [chunk x value head, one axis]: the output and state parts of dq, dk and all of dg for one
-  value head; writes its dq partial and adds its dk terms to the dk partial (per-value-head buffers
-  [tokens, HV, K], fp32 or 16-bit: ``ChunkOptions.bwd_partials``). With one value head per q/k head it
-  finishes dq and dk itself. No repeated q/k is ever materialised.
+  value head; writes its dq partial (over v''s bytes where they match theirs) and adds its dk terms to the dk
+  partial (per-value-head buffers [tokens, HV, K], fp32 or 16-bit: ``ChunkOptions.bwd_partials``). With one
+  value head per q/k head it finishes dq and dk itself. No repeated q/k is ever materialised.
 * ``_bwd_reduce``  [token block, q/k head]: sums the partials of the value heads that share a q/k head, goes
   back through the l2norm and casts.
 

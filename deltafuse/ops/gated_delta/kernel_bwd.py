@@ -50,6 +50,23 @@ def _mix_b(a, b, MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _dot_ff(a, b, MODE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """a @ b for two computed fp32 tiles. MODE (chunk_options.PROD_MODES) 0: one fp32 product at precision PREC
+    (tf32 for 16-bit inputs); 2 ("x2"): both split into two DT parts, three 16-bit products (hi hi, hi lo, lo hi);
+    1 ("16"): both rounded to DT, one 16-bit product."""
+    if MODE == 2:
+        ah = a.to(DT)
+        al = (a - ah.to(tl.float32)).to(DT)
+        bh = b.to(DT)
+        bl = (b - bh.to(tl.float32)).to(DT)
+        return tl.dot(ah, bl, acc=tl.dot(al, bh, acc=tl.dot(ah, bh)))
+    elif MODE == 1:
+        return tl.dot(a.to(DT), b.to(DT))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def _l2norm_bwd(dy, x, r, L2: tl.constexpr):
     """Back through y = x r with r = rsqrt(|x|^2 + eps) per row: dx = r (dy - y (y . dy)); dy itself when the
     l2norm is off."""
@@ -114,15 +131,20 @@ def _dv_local(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, do_ptr, dvl_ptr, chunks_ptr,
 
 
 @triton.jit
-def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht_ptr, dhs_ptr, dvn_ptr, dh0_ptr,
-               cu_ptr, coff_ptr, scale, SQ: tl.constexpr, SK: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-               HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, KD: tl.constexpr, QD: tl.constexpr,
-               WD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, tinv_ptr, beta_ptr, gc_ptr, do_ptr, dvl_ptr, dht_ptr, dhs_ptr,
+               dvn_ptr, dh0_ptr, cu_ptr, coff_ptr, scale, SQ: tl.constexpr, SK: tl.constexpr, H: tl.constexpr,
+               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               L2: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, KD: tl.constexpr, QD: tl.constexpr,
+               WD: tl.constexpr, FROM_T: tl.constexpr, TD: tl.constexpr, BSIG: tl.constexpr, PREC: tl.constexpr,
+               DT: tl.constexpr):
     """The reverse pass: dh at every chunk end into ``dhs``, the full dv' into ``dvn`` (which may be ``dvl``: each
     program reads a chunk's dv_local tile before it writes the same elements) and the initial-state gradient.
     KD / QD / WD: product modes (kernel_fwd._dot_m) of k dh (for dv'), of q^T times the decayed do and of w^T dv'
     (the state gradient's update).
+
+    FROM_T: w is not read; w^T dv' is formed from T = (I + A)^-1 (``tinv``, fp32 [tokens, HV, 64], transposed on
+    load) as khat^T diag(beta exp(gc)) (T^T dv'), since w = T diag(beta exp(gc)) khat. TD: product mode of T^T
+    with the fp32 dv' (``_dot_ff``); WD is then the mode of k^T times that. BSIG: beta holds logits.
 
     The token strides of q and k are compile-time constants here (one compilation per layout: contiguous rows, or
     the views of a fused projection). With them as run-time arguments, its only change, this pass took 18 % longer
@@ -143,10 +165,23 @@ def _state_bwd(q_ptr, k_ptr, rq_ptr, rk_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dht
         q = tl.load(q_ptr + tok[:, None] * SQ + h * K + ck[None, :], mask=mk, other=0.0)
         rq = _rows(rq_ptr, tok, H, h, valid, L2)
         do = tl.load(do_ptr + tv_off, mask=mv, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)
-        dog = do * (rq * tl.where(valid, tl.exp(gc), 0.0) * scale)[:, None]
+        eg = tl.where(valid, tl.exp(gc), 0.0)
+        dog = do * (rq * eg * scale)[:, None]
         # dh_prev = exp(gl) dh + q^T diag(rq exp(gc) scale) do - w^T dv'
-        dst = _dot_m(tl.trans(w), -dvn, _dot_m(tl.trans(q), dog, dst * tl.exp(gl), QD, PREC, DT), WD, PREC, DT)
+        dst = _dot_m(tl.trans(q), dog, dst * tl.exp(gl), QD, PREC, DT)
+        if FROM_T:
+            rows = tl.arange(0, 64)
+            Tt = tl.load(tinv_ptr + tok[None, :] * (HV * 64) + hv * 64 + rows[:, None], mask=valid[None, :],
+                         other=0.0)
+            b = tl.load(beta_ptr + tok * HV + hv, mask=valid, other=0.0).to(tl.float32)
+            if BSIG:
+                b = tl.where(valid, sigmoid(b), 0.0)
+            rk = _rows(rk_ptr, tok, H, h, valid, L2)
+            y = _dot_ff(Tt, dvn, TD, PREC, DT) * (b * eg * rk)[:, None]
+            dst = _dot_m(tl.trans(k), -y, dst, WD, PREC, DT)
+        else:
+            w = tl.load(w_ptr + tok[:, None] * (HV * K) + hv * K + ck[None, :], mask=mk, other=0.0)
+            dst = _dot_m(tl.trans(w), -dvn, dst, WD, PREC, DT)
     if STORE_DH0:
         tl.store(dh0_ptr + (n * HV + hv).to(tl.int64) * (K * V) + state_off, dst, mask=mkv)
 

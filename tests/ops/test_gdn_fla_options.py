@@ -95,13 +95,14 @@ def test_gate_and_beta_in_kernel_match_the_oracle(name, backend, with_bias):
 @pytest.mark.parametrize("gate,beta_sigmoid", [(True, False), (False, True), (True, True)],
                          ids=["gate", "beta_sigmoid", "both"])
 @pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
-@pytest.mark.parametrize("group_loop", [False, True], ids=["per_value_head", "group_loop"])
-def test_triton_chunk_computes_the_options_in_its_kernels(monkeypatch, gate, beta_sigmoid, packed, group_loop):
+@pytest.mark.parametrize("backward", ["per_value_head", "group_loop", "from_t"])
+def test_triton_chunk_computes_the_options_in_its_kernels(monkeypatch, gate, beta_sigmoid, packed, backward):
     """The Triton chunk kernels take FLA's options themselves (the op hands them the raw inputs: the torch formulas
     never run) over several chunks per sequence, packed sequences (one of a single token) and an initial state,
     with raw gates from -30 to 30 (softplus past its x > 20 branch and deep in its tail): o, the final state and
-    every gradient against the float64 oracle; with the backward's programs per value head (the default) and per
-    q/k head (ChunkOptions.bwd_group_loop, with wy_recompute_t)."""
+    every gradient against the float64 oracle; with the backward's programs per value head (the default), per
+    q/k head (ChunkOptions.bwd_group_loop, with wy_recompute_t), and with the reverse pass reading T and beta
+    instead of w (ChunkOptions.sbwd_from_t)."""
     from deltafuse.ops.gated_delta import api
     from deltafuse.ops.gated_delta import kernel as chunk_mod
 
@@ -133,7 +134,8 @@ def test_triton_chunk_computes_the_options_in_its_kernels(monkeypatch, gate, bet
     ref = _grads(ro, rf, ref_leaves, do, dh)
     leaves = {n: t.float().requires_grad_() for n, t in x.items()}
     extra = dict(A_log=leaves["A_log"], dt_bias=leaves["dt_bias"]) if gate else {}
-    options = chunk_mod.ChunkOptions(bwd_group_loop=True, wy_recompute_t=True) if group_loop else None
+    options = {"per_value_head": None, "group_loop": chunk_mod.ChunkOptions(bwd_group_loop=True, wy_recompute_t=True),
+               "from_t": chunk_mod.ChunkOptions(sbwd_from_t=True)}[backward]
     with chunk_mod.configured(options):
         o, final = ops.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["a"], leaves["b"],
                                               initial_state=leaves["h0"], output_final_state=True,

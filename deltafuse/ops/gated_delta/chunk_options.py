@@ -101,7 +101,9 @@ class ChunkOptions:
     # head that takes its value heads in turn: _bwd_out finishes dq and dk, with no dq partials (one [tokens, HV, K]
     # buffer), dk partials per q/k head instead of per value head, and no _bwd_reduce; G times fewer programs.
     # Both are off: on the H200 together they lower the backward's peak at 1x65,536 from 4.53 to 4.03 GiB above
-    # the inputs but take its forward+backward from 21.4 to 31.8 ms (BENCHMARKS.md, session 20).
+    # the inputs but take its forward+backward from 21.4 to 31.8 ms (BENCHMARKS.md, session 20). Since the dq
+    # partials take v''s bytes (session 26), wy_recompute_t alone gives that peak too (by the no-op-kernel count of
+    # benchmarks/gdn_memory_plan.py), for 23.5 ms instead of 21.4 on the H200 in session 20.
     bwd_partials: str = "input"
     prod_wy: str = "16"
     prod_bo: str = "16"
@@ -119,7 +121,10 @@ class ChunkOptions:
     # states, one [tokens, HV, K] buffer less at the reverse pass, for one more [64, 64] x [64, bv_sbwd] product per
     # chunk there (with wy_recompute_t no T is stored and w is read). sbwd_prod_td: the mode of that product of two
     # fp32 tiles: "tf32" (one product at the inputs' precision), "x2" (both split into two 16-bit parts, three
-    # 16-bit products) or "16" (both rounded to 16 bits, one product).
+    # 16-bit products) or "16" (both rounded to 16 bits, one product). Off: on an H100 it takes the backward's
+    # peak at 1x65,536 (bf16, HV=32, D=128) from 4.52 to 4.03 GiB above the inputs, under FlashQLA's 4.05, but the
+    # product sits on the pass's chain of dependent products, which takes the pass from 1.75 to 3.36 ms and the
+    # forward+backward from 18.1 to 19.7 ms (+9 %; BENCHMARKS.md#gdn-from-t-s26).
     sbwd_from_t: bool = False
     sbwd_prod_td: str = "tf32"
     bv_sbwd: int = 32

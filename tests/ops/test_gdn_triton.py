@@ -1041,13 +1041,19 @@ def test_wy_recompute_t_fp32(shape, opts, inv):
     recompute = chunk_mod.ChunkOptions(intra_inv=inv, wy_recompute_t=True)
     with chunk_mod.configured(recompute):
         check_chunk(*shape, dtype=torch.float32, tol_o=FP32_TOL, tol_grad=FP32_TOL, tol_gb=FP32_TOL, **opts)
+    got, stored = _fp32_grads_under(shape, opts, recompute, chunk_mod.ChunkOptions(intra_inv=inv))
+    assert not torch.equal(got["k"], stored["k"])
+
+
+def _fp32_grads_under(shape, opts, *options):
+    """Every input's gradient on one fresh fp32 draw of ``shape`` (with an initial state and a loss through o and the
+    final state), once under each of ``options``."""
     B, T, H, HV, K, V = shape
     xs, cu_t = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, h0=True, cu=opts.get("cu"), l2=opts["l2"])
     gen = torch.Generator().manual_seed(torch.seed() % (2**31))
     do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
     dht = torch.randn(xs["initial_state"].shape, generator=gen, dtype=torch.float64)
-    stored = _v2_grads(xs, cu_t, do, dht, opts["l2"], chunk_mod.ChunkOptions(intra_inv=inv))
-    assert not torch.equal(_v2_grads(xs, cu_t, do, dht, opts["l2"], recompute)["k"], stored["k"])
+    return [_v2_grads(xs, cu_t, do, dht, opts["l2"], o) for o in options]
 
 
 @pytest.mark.parametrize("G,l2", [(2, True), (1, False)], ids=["G2_l2", "G1_nol2"])
@@ -1069,13 +1075,7 @@ def test_sbwd_from_t_fp32(shape, opts):
     from_t = chunk_mod.ChunkOptions(sbwd_from_t=True)
     with chunk_mod.configured(from_t):
         check_chunk(*shape, dtype=torch.float32, tol_o=FP32_TOL, tol_grad=FP32_TOL, tol_gb=FP32_TOL, **opts)
-    B, T, H, HV, K, V = shape
-    xs, cu_t = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, h0=True, cu=opts.get("cu"), l2=opts["l2"])
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
-    do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
-    dht = torch.randn(xs["initial_state"].shape, generator=gen, dtype=torch.float64)
-    stored = _v2_grads(xs, cu_t, do, dht, opts["l2"], chunk_mod.DEFAULT_OPTIONS)
-    got = _v2_grads(xs, cu_t, do, dht, opts["l2"], from_t)
+    got, stored = _fp32_grads_under(shape, opts, from_t, chunk_mod.DEFAULT_OPTIONS)
     assert not torch.equal(got["initial_state"], stored["initial_state"])
 
 

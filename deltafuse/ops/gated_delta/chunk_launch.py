@@ -196,10 +196,6 @@ def _dense(x: torch.Tensor, make=torch.empty) -> torch.Tensor:
     return make(x.shape, device=x.device, dtype=x.dtype)
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 def _alias(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """``buf``'s bytes as a contiguous tensor of ``dtype`` and ``shape`` (the caller checks that the byte layouts
     of one token and head agree)."""
@@ -473,7 +469,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     # The per-value-head dk partials take T's bytes where a token and value head of each hold the same bytes (K = 128
     # at 16-bit partials): each _bwd_wy program loads its chunk's T tile before it writes the same bytes of dkp, and
     # nothing else reads them. T is otherwise dead after _bwd_wy: one [tokens, HV, K] buffer less from here on.
-    dkp = (_alias(tinv, part_dtype, (TT, HV, K)) if not gloop and tinv is not None and K * _size(part_dtype) == 256
+    dkp = (_alias(tinv, part_dtype, (TT, HV, K)) if not gloop and tinv is not None and K * part_dtype.itemsize == 256
            else None)
     if dkp is None:
         dkp = torch.empty(TT, H if gloop else HV, K, device=dev, dtype=part_dtype)
@@ -493,7 +489,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
         # the dq partials over v' where a token and value head of each hold the same bytes (K = V at 16-bit
         # partials and storage): each _bwd_out program reads all of its chunk's v' tiles before it writes the same
         # bytes of dqp (not with bo_two_pass, whose second pass reads v' again), and nothing else reads them
-        dqp = (_alias(vn, part_dtype, (TT, HV, K)) if not opts.bo_two_pass and K * _size(part_dtype) == V *
+        dqp = (_alias(vn, part_dtype, (TT, HV, K)) if not opts.bo_two_pass and K * part_dtype.itemsize == V *
                vn.element_size() else None)
         if dqp is None:
             dqp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)

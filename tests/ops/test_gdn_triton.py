@@ -842,7 +842,9 @@ def test_bwd_v2_options_validated():
                                   ("bo_two_pass", "yes", "True, False"), ("bwd_x2", 1, "True, False"),
                                   ("sbwd_prod_kd", "bf16", "'tf32', '16', 'x2'"),
                                   ("sbwd_prod_qd", 2, "'tf32', '16', 'x2'"),
-                                  ("sbwd_prod_wd", "", "'tf32', '16', 'x2'")]:
+                                  ("sbwd_prod_wd", "", "'tf32', '16', 'x2'"),
+                                  ("sbwd_prod_td", "bf16", "'tf32', '16', 'x2'"),
+                                  ("sbwd_from_t", 1, "True, False")]:
         with pytest.raises(ValueError, match=f"ChunkOptions.{field}={value!r}.*allowed: {allowed}"):
             chunk_mod.ChunkOptions(**{field: value})
     assert chunk_mod.ChunkOptions(stages_wy=3, stages_bo=3, stages_dvl=3, stages_sbwd=3).stages_wy == 3

@@ -414,8 +414,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     from_t = opts.sbwd_from_t and tinv is not None
     del u
     if from_t:
-        del w
-        w = gc  # a placeholder argument the kernel does not read
+        w = gc  # w's last reference goes; a placeholder argument the kernel does not read
     dvl = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
     if plan.NC:
         _dv_local[(plan.NC, HV)](q, k, rq, rk, gc, do, dvl, plan.chunks, scale, BV=cfg.bv["dvl"], X2=cfg.X2,

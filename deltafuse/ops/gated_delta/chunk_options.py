@@ -102,8 +102,8 @@ class ChunkOptions:
     # buffer), dk partials per q/k head instead of per value head, and no _bwd_reduce; G times fewer programs.
     # Both are off: on the H200 together they lower the backward's peak at 1x65,536 from 4.53 to 4.03 GiB above
     # the inputs but take its forward+backward from 21.4 to 31.8 ms (BENCHMARKS.md, session 20). Since the dq
-    # partials take v''s bytes (session 26), wy_recompute_t alone gives that peak too (by the no-op-kernel count of
-    # benchmarks/gdn_memory_plan.py), for 23.5 ms instead of 21.4 on the H200 in session 20.
+    # partials take v''s bytes (session 26), wy_recompute_t alone gives that peak too, for 12 % more time (17.6 ->
+    # 19.8 ms on an H200, BENCHMARKS.md#gdn-from-t-s26).
     bwd_partials: str = "input"
     prod_wy: str = "16"
     prod_bo: str = "16"

@@ -41,4 +41,10 @@ def test_peak_is_the_reverse_pass_buffers_and_the_options_drop_a_token_buffer(T)
     assert reverse_pass - token <= from_t <= 1.01 * (reverse_pass - token)
     # the group loop alone leaves the peak where it was (T stays alive through the reverse pass)
     assert memory_plan.plan((1, T, H, HV, D), ChunkOptions(bwd_group_loop=True))[1] >= reverse_pass
+    # keep_states: the backward's peak is the recompute's (the same buffers, kept instead of rebuilt); the output
+    # kernel runs with o, w, u (fp32), its 16-bit copy of v', T and the chunk states alive, and u goes after it
+    stages, keep = memory_plan.plan((1, T, H, HV, D), ChunkOptions(keep_states=True))
+    assert reverse_pass <= keep <= 1.01 * reverse_pass
+    held = dict(stages)["f:out"]
+    assert 5 * token + tinv + states <= held <= 1.01 * (5 * token + tinv + states)
     assert all(getattr(chunk_launch, n) is k for n, k in kernels.items())  # the kernels are restored

@@ -339,46 +339,58 @@ def state_pass(k, rk, w, u, gc, h0, hs, vn, ht, plan, cfg, fc, L2):
     cfg.mark("state")
 
 
-def output(q, k, rq, rk, gc, hs, vn, o, plan, scale, cfg, fc, L2):
-    """o = scale ((q rq exp(gc)) h + lower_incl(q k^T rq rk D) v') for every chunk, written into ``o``."""
+def output(q, k, rq, rk, gc, hs, vn, o, plan, scale, cfg, fc, L2, vk=None):
+    """o = scale ((q rq exp(gc)) h + lower_incl(q k^T rq rk D) v') for every chunk, written into ``o``; v' also
+    into ``vk`` (in its dtype) when given."""
     TT, H, K = q.shape
     HV, V = vn.shape[-2:]
     if plan.NC:
         _out_fwd[(plan.NC * HV * triton.cdiv(V, fc.bv_out),)](
-            q, k, rq if L2 else gc, rk if L2 else gc, gc, hs, vn, o, plan.chunks, scale, sq=q.stride(0),
-            sk=k.stride(0), H=H, HV=HV, K=K, V=V,
-            BK=fc.bk_out, BV=fc.bv_out, L2=L2, QH=fc.QH, SV=fc.SV, PREC=cfg.PREC, DT=cfg.DT,
+            q, k, rq if L2 else gc, rk if L2 else gc, gc, hs, vn, o, vn if vk is None else vk, plan.chunks, scale,
+            sq=q.stride(0), sk=k.stride(0), H=H, HV=HV, K=K, V=V,
+            BK=fc.bk_out, BV=fc.bv_out, L2=L2, QH=fc.QH, SV=fc.SV, PREC=cfg.PREC, DT=cfg.DT, KEEP_V=vk is not None,
             num_warps=fc.nw_out, num_stages=fc.stages_out)
     cfg.mark("out")
     return o
 
 
 def forward(q, k, v, g, beta, scale, h0, want_ht, L2, plan, options: ChunkOptions,
-            stage_hook: StageHook | None = None, gates: Gates = NONE):
-    """o (and the final state when ``want_ht``) of the flattened inputs, with ``options``; with ``gates`` g and
-    beta are raw (gates.py)."""
+            stage_hook: StageHook | None = None, gates: Gates = NONE, keep: bool = False):
+    """(o, the final state when ``want_ht`` else None, the kept states when ``keep`` else None) of the flattened
+    inputs, with ``options``; with ``gates`` g and beta are raw (gates.py). The kept states are the list
+    ``backward`` takes as ``kept`` (rq, rk, gc, w, v', T, chunk states): what its recompute would give, bit for
+    bit."""
     TT, H, K = q.shape
     HV, V = v.shape[-2:]
     cfg, fc = configs(q.dtype, K, V, "fwd", options, stage_hook)
     rq, rk = _rstd(q, k, L2, cfg)
-    gc, w, u, _ = prepare(k, rk, v, g, beta, plan, cfg, L2, False, gates)
+    gc, w, u, tinv = prepare(k, rk, v, g, beta, plan, cfg, L2, keep and not options.wy_recompute_t, gates)
     hs = torch.empty(max(plan.NC, 1), HV, K, V, device=q.device, dtype=cfg.store)
     ht = torch.empty(plan.N, HV, K, V, device=q.device, dtype=torch.float32) if want_ht else None
     # v' is written over u (same dtype and layout; each program reads its u tile before writing it)
     state_pass(k, rk, w, u, gc, h0, hs, u, ht, plan, cfg, fc, L2)
-    del w
+    # v' as the backward's recompute stores it (in the states' dtype): u's buffer where that is its dtype, else a
+    # copy the output kernel writes as it reads v' (u is fp32 under fwd_store_v)
+    vk = (u if u.dtype == cfg.store else torch.empty(u.shape, device=u.device, dtype=cfg.store)) if keep else None
+    kept = [rq, rk, gc, w, vk, tinv, hs] if keep else None
+    del w  # (before o exists, unless kept)
     o = output(q, k, rq, rk, gc, hs, u, torch.empty(TT, HV, V, device=q.device, dtype=q.dtype), plan, scale,
-                cfg, fc, L2)
-    del hs, u  # the chunk states and v' go as soon as o is written; the backward recomputes them
-    return o, ht
+               cfg, fc, L2, None if vk is u else vk)
+    del hs, u, vk  # unless kept, the chunk states and v' go as soon as o is written; the backward recomputes them
+    return o, ht, kept
 
 
 def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: ChunkOptions,
-             stage_hook: StageHook | None = None, gates: Gates = NONE):
+             stage_hook: StageHook | None = None, gates: Gates = NONE, kept: list | None = None,
+             own_kept: bool = True):
     """(dq, dk, dv, dg, dbeta, dh0, dA_log, d dt_bias) of the flattened inputs, with ``options`` (those of the
     forward: its sequential pass is recomputed with the forward's tiles and products). With ``gates`` (those of the
     forward) dg and dbeta are those of the raw inputs, and dA_log / d dt_bias fp32 [HV] where the gate applies
-    (else None)."""
+    (else None).
+
+    ``kept``: the forward's kept states (``forward(keep=True)``), used instead of the recompute; the list is
+    emptied here, so that each buffer goes when this function is done with it. ``own_kept``: nothing else holds
+    them, so the backward's buffers may take their bytes."""
     TT, H, K = q.shape
     HV, V = v.shape[-2:]
     G = HV // H
@@ -401,18 +413,23 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
 
     common = dict(H=H, HV=HV, K=K, V=V, BK=cfg.BK, L2=L2, PREC=cfg.PREC, DT=cfg.DT)
     strides = dict(sq=q.stride(0), sk=k.stride(0))  # q, k and v may be row views of a wider tensor (kernel.py)
-    rq, rk = _rstd(q, k, L2, cfg)
-    gc, w, u, tinv = prepare(k, rk, v, g, beta, plan, cfg, L2, not opts.wy_recompute_t, gates)
+    if kept:
+        rq, rk, gc, w, vn, tinv, hs = kept
+        kept.clear()
+    else:
+        rq, rk = _rstd(q, k, L2, cfg)
+        gc, w, u, tinv = prepare(k, rk, v, g, beta, plan, cfg, L2, not opts.wy_recompute_t, gates)
+        hs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
+        vn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
+        # the forward's sequential pass again, with the forward's tiles and products: the backward differentiates
+        # exactly what the forward computed
+        state_pass(k, rk, w, u, gc, h0, hs, vn, None, plan, cfg, fc, L2)
+        del u
+        own_kept = True
     rq, rk = (rq, rk) if L2 else (gc, gc)
-    hs = torch.empty(max(plan.NC, 1), HV, K, V, device=dev, dtype=cfg.store)
-    vn = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
-    # the forward's sequential pass again, with the forward's tiles and products: the backward differentiates
-    # exactly what the forward computed
-    state_pass(k, rk, w, u, gc, h0, hs, vn, None, plan, cfg, fc, L2)
     # with sbwd_from_t the reverse pass forms w^T dv' from the stored T: w goes here, before the reverse pass's
     # buffers exist (one [tokens, HV, K] buffer less at the backward's peak)
     from_t = opts.sbwd_from_t and tinv is not None
-    del u
     if from_t:
         w = gc  # w's last reference goes; a placeholder argument the kernel does not read
     dvl = torch.empty(TT, HV, V, device=dev, dtype=cfg.store)
@@ -468,8 +485,8 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
     # The per-value-head dk partials take T's bytes where a token and value head of each hold the same bytes (K = 128
     # at 16-bit partials): each _bwd_wy program loads its chunk's T tile before it writes the same bytes of dkp, and
     # nothing else reads them. T is otherwise dead after _bwd_wy: one [tokens, HV, K] buffer less from here on.
-    dkp = (_alias(tinv, part_dtype, (TT, HV, K)) if not gloop and tinv is not None and K * part_dtype.itemsize == 256
-           else None)
+    dkp = (_alias(tinv, part_dtype, (TT, HV, K)) if own_kept and not gloop and tinv is not None
+           and K * part_dtype.itemsize == 256 else None)
     if dkp is None:
         dkp = torch.empty(TT, H if gloop else HV, K, device=dev, dtype=part_dtype)
     programs = plan.NC * (H if gloop else HV)
@@ -488,8 +505,8 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, L2, plan, need_dh0, options: 
         # the dq partials over v' where a token and value head of each hold the same bytes (K = V at 16-bit
         # partials and storage): each _bwd_out program reads all of its chunk's v' tiles before it writes the same
         # bytes of dqp (not with bo_two_pass, whose second pass reads v' again), and nothing else reads them
-        dqp = (_alias(vn, part_dtype, (TT, HV, K)) if not opts.bo_two_pass and K * part_dtype.itemsize == V *
-               vn.element_size() else None)
+        dqp = (_alias(vn, part_dtype, (TT, HV, K)) if own_kept and not opts.bo_two_pass
+               and K * part_dtype.itemsize == V * vn.element_size() else None)
         if dqp is None:
             dqp = torch.empty(TT, HV, K, device=dev, dtype=part_dtype)
     _bwd_out[(programs,)](q, k, rq, rk, gc, hs, dhs, vn, do, dgc, dkp, dqp, dq, dk, dg, plan.chunks, scale, g,

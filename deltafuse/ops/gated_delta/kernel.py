@@ -26,7 +26,7 @@ others in ``kernel_bwd.py``; their launches in ``chunk_launch.py``, their tunabl
   state. The forward and the backward's recompute both run it.
 * ``_out_fwd``     [V block x value head x chunk, one axis]: the output, every chunk at once from the stored
   ``hs`` and v': o = scale ((q exp(gc)) h + lower_incl(q k^T o D) v'). The forward frees ``hs`` and v'
-  once o is written; nothing but the inputs is kept for the backward.
+  once o is written; unless ``ChunkOptions.keep_states``, nothing but the inputs is kept for the backward.
 * ``_dv_local``    [chunk, value head]: the intra-chunk part of dv', scale lower_incl(q k^T o D)^T do.
 * ``_state_bwd``   [V block x sequence x value head, one axis]: the reverse pass; stores the gradient of the
   state at every chunk end (``dhs``), the full gradient of v' (``dvn``) and the initial-state gradient. With
@@ -57,7 +57,9 @@ results of the hardest oracle cases stayed within their bounds (the forward's w 
 products, the backward's per-chunk kernels), split elsewhere.
 
 The backward recomputes w, u, the chunk states and v' from the inputs instead of keeping them from the
-forward pass, so only the inputs are saved between forward and backward.
+forward pass, so only the inputs are saved between forward and backward. With ``ChunkOptions.keep_states`` the
+forward keeps them (T too, and a 16-bit copy of v' that ``_out_fwd`` writes) and the backward skips its recompute
+(``keep_states`` below says where they are kept).
 
 FLA's in-kernel gate options (``gates=``, gates.py) are computed where g and beta are read: ``_intra_fwd`` turns
 the raw gate a into g = -exp(A_log) softplus(a + dt_bias) and logits into beta = sigmoid(beta); ``_bwd_wy`` and
@@ -107,7 +109,7 @@ def _qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: int) ->
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens, options,
-                stage_hook, A_log, dt_bias, gate, beta_sigmoid):
+                stage_hook, A_log, dt_bias, gate, beta_sigmoid, keep):
         B, T, H, K = q.shape
         HV, V = v.shape[-2:]
         plan = launch.plan_for(B, T, cu_seqlens, q.device)
@@ -117,15 +119,29 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         h0 = initial_state.contiguous() if initial_state is not None else None
         gates = Gates(A_log.contiguous() if gate else None, dt_bias.contiguous() if gate and dt_bias is not None
                       else None, gate, beta_sigmoid)
-        o, ht = launch.forward(qf, kf, vf, gf, bf, scale, h0, output_final_state, l2, plan, options, stage_hook, gates)
-        ctx.save_for_backward(qf, kf, vf, gf, bf, h0, gates.A_log, gates.dt_bias)
+        o, ht, kept = launch.forward(qf, kf, vf, gf, bf, scale, h0, output_final_state, l2, plan, options,
+                                     stage_hook, gates, keep=keep is not None)
+        # kept states go through save_for_backward under saved-tensor hooks (the hooks decide where they live), else
+        # on the context, where the backward takes them (freeing each when done with it, and recomputing in a
+        # second backward of a retained graph)
+        hooked = keep == "hooks"
+        ctx.save_for_backward(qf, kf, vf, gf, bf, h0, gates.A_log, gates.dt_bias, *(kept if hooked else ()))
+        ctx.kept = None if hooked else kept
+        ctx.kept_saved = hooked
+        # the backward may write its own buffers over the kept ones where nothing else holds them (kept on the
+        # context), not where hooks may hand them out again
+        ctx.owns_kept = not hooked
         ctx.meta = (B, T, scale, l2, plan, initial_state is not None, gate, beta_sigmoid)
         ctx.options, ctx.stage_hook = options, stage_hook  # the backward runs with the forward's
         return o.view(B, T, HV, V), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        qf, kf, vf, gf, bf, h0, A_log, dt_bias = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)  # read once (checkpointing's hooks hand each tensor over once)
+        qf, kf, vf, gf, bf, h0, A_log, dt_bias = saved[:8]
+        kept = saved[8:] if ctx.kept_saved else ctx.kept
+        ctx.kept = None
+        del saved
         B, T, scale, l2, plan, has_h0, gate, beta_sigmoid = ctx.meta
         H, K = qf.shape[-2:]
         HV, V = vf.shape[-2:]
@@ -136,11 +152,11 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             dht = dht.contiguous()
         dq, dk, dv, dg, db, dh0, dA, ddt = launch.backward(
             qf, kf, vf, gf, bf, scale, h0, do, dht, l2, plan, has_h0 and ctx.needs_input_grad[6], ctx.options,
-            ctx.stage_hook, Gates(A_log, dt_bias, gate, beta_sigmoid))
+            ctx.stage_hook, Gates(A_log, dt_bias, gate, beta_sigmoid), kept=kept, own_kept=ctx.owns_kept)
         return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V), dg.view(B, T, HV),
                 db.view(B, T, HV), None, dh0, None, None, None, None, None,
                 None if dA is None else dA.to(A_log.dtype), None if ddt is None else ddt.to(dt_bias.dtype),
-                None, None)
+                None, None, None)
 
 
 def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -173,9 +189,38 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                          f"allowed: {sorted(str(d) for d in launch.TL_DTYPES)}")
     options, stage_hook = resolve(options, stage_hook)
     gates = NONE if gates is None else gates
+    keep = keep_states(options, q.dtype, (q, k, v, g, beta, initial_state, gates.A_log, gates.dt_bias))
     return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, float(scale), initial_state, bool(output_final_state),
                                       bool(use_qk_l2norm_in_kernel), cu_seqlens, options, stage_hook, gates.A_log,
-                                      gates.dt_bias, bool(gates.gate), bool(gates.beta_sigmoid))
+                                      gates.dt_bias, bool(gates.gate), bool(gates.beta_sigmoid), keep)
+
+
+def _checkpoint_pack(pack) -> bool:
+    """Whether ``pack`` is one of torch.utils.checkpoint's own pack hooks (non-reentrant checkpointing)."""
+    name = getattr(pack, "__qualname__", "")
+    return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))
+
+
+def keep_states(options: ChunkOptions, dtype: torch.dtype, tensors) -> str | None:
+    """How a call keeps its states for its backward (``ChunkOptions.keep_states``): None (it does not: the options
+    say not to, no backward can run, or non-reentrant checkpointing records it), "context" (on the autograd
+    context) or "hooks" (through the saved-tensor hooks in effect).
+
+    Never under torch.utils.checkpoint's non-reentrant hooks: checkpointing requires its recompute to save what
+    the first forward saved, and the recompute runs on autograd's thread, where a ``configured`` block's options
+    do not reach, so the two could disagree. (A reentrant checkpoint's recompute, with no hooks, keeps on the
+    context: that changes nothing checkpointing compares.)"""
+    if not options.keep_states or not torch.is_grad_enabled():
+        return None
+    if not any(t is not None and t.requires_grad for t in tensors):
+        return None
+    if dtype != torch.float32 and options.fwd_store != options.bwd_store:
+        return None  # (unreachable through ChunkOptions, which refuses it: fp32 inputs store fp32 either way)
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    if hooks is None:
+        return "context"
+    return None if _checkpoint_pack(hooks[0]) else "hooks"
 
 
 chunk_gated_delta_rule_triton.gates_in_kernel = True  # takes ``gates=`` (gates.py)

@@ -16,14 +16,16 @@ from deltafuse.ops.gated_delta.kernel_fwd import _chunk_decay, _dot_m, _dot_ma, 
 
 
 @triton.jit
-def _out_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks_ptr, scale, sq, sk,
+def _out_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, vk_ptr, chunks_ptr, scale, sq, sk,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-             QH: tl.constexpr, SV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+             QH: tl.constexpr, SV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, KEEP_V: tl.constexpr):
     """One program per (chunk, value head, V block), on one grid axis with the V blocks fastest, then the value
     heads: the programs that read the same q/k rows run next to each other (L2 hits). The K axis is walked in
     blocks of BK (q h and q k^T accumulate over it). QH / SV: product modes (kernel_fwd._dot_m) of q h (when
-    the states are stored in fp32; 16-bit states make it one exact 16-bit product) and of the scores with v'."""
+    the states are stored in fp32; 16-bit states make it one exact 16-bit product) and of the scores with v'.
+    KEEP_V: v' is also written to ``vk_ptr`` in that buffer's dtype (the states' 16 bits, where the forward keeps
+    them for the backward: ``ChunkOptions.keep_states``), as the backward's recompute would store it."""
     pid = tl.program_id(0)
     nv = (V + BV - 1) // BV
     pid_v = pid % nv
@@ -59,5 +61,7 @@ def _out_fwd(q_ptr, k_ptr, rq_ptr, rk_ptr, gc_ptr, hs_ptr, vn_ptr, o_ptr, chunks
     tv_off = tok[:, None] * (HV * V) + hv * V + cv[None, :]
     mv = valid[:, None] & (cv[None, :] < V)
     vn = tl.load(vn_ptr + tv_off, mask=mv, other=0.0)
+    if KEEP_V:
+        tl.store(vk_ptr + tv_off, vn.to(vk_ptr.dtype.element_ty), mask=mv)
     o = _dot_ma(s, vn, o, SV, PREC, DT)
     tl.store(o_ptr + tv_off, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)

@@ -369,7 +369,7 @@ def time_impl(name, fn, label, shapes, check_shape, args, results):
         B, T = shape[:2]
         if name == "hf" and B * T > args.hf_max_tokens:
             row["skipped"] = f"B*T={B * T} > {args.hf_max_tokens}: the torch fallback would take minutes"
-        elif name.startswith("ours[") and shape != shapes[0]:
+        elif name.startswith("ours[") and shape != shapes[0] and not args.variants_every_shape:
             continue
         elif name.startswith("seg") and B * T < 2 * int(name[3:]):
             continue  # nothing to cut: the same call as ours
@@ -397,6 +397,8 @@ def main():
     ap.add_argument("--variants", default="", help="semicolon-separated ChunkOptions overrides for extra rows "
                     "of ours, timed at the first shape only (and in --kernels tables), e.g. "
                     "'fwd_prod_wh=16,fwd_prod_kv=16;prod_wy=x2'; benchmarks/tune_gdn.py times options at every shape")
+    ap.add_argument("--variants-every-shape", action="store_true",
+                    help="time the --variants rows at every shape, next to the peers (default: the first shape)")
     ap.add_argument("--breakdown", default="", help="shape indices for a per-stage timing of ours, e.g. 0,1")
     ap.add_argument("--kernels", default="", help="shape indices for a per-kernel device-time table of ours and "
                     "FLA side by side (torch.profiler), e.g. 1,3")

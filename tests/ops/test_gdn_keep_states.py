@@ -154,6 +154,39 @@ def test_checkpointing(reentrant):
         assert torch.equal(got[n], plain[n]), n
 
 
+def test_configured_block_under_checkpointing_with_the_backward_on_another_thread():
+    """A configured block with keep_states on around a non-reentrant checkpoint, its backward on another thread (as
+    autograd runs a CUDA backward, where the block's options do not reach the recompute): the recompute saves what
+    the first forward saved (no CheckpointError), and the gradients are bit-equal to those without checkpointing."""
+    import threading
+
+    xs, cu, do, dht = _draw((1, 70, 1, 2, 16, 16), dict(cu=[0, 5, 70], l2=True), torch.float32)
+    plain, _, _ = _run(xs, cu, do, dht, True, ChunkOptions())
+    ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
+
+    def op(q, k, v, g, beta, h0):
+        return chunk_gated_delta_rule_triton(q, k, v, g, beta, 0.25, h0, True, True, cu)
+
+    with chunk_mod.configured(ChunkOptions(keep_states=True)):
+        o, ht = checkpoint.checkpoint(op, *(ours[n] for n in ("q", "k", "v", "g", "beta", "initial_state")),
+                                      use_reentrant=False)
+    loss = (o.double() * do).sum() + (ht.double() * dht).sum()
+    errors = []
+
+    def backward():
+        try:
+            loss.backward()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    worker = threading.Thread(target=backward)
+    worker.start()
+    worker.join()
+    assert not errors, errors
+    for n in xs:
+        assert torch.equal(ours[n].grad, plain[n]), n
+
+
 def test_kept_through_other_saved_tensor_hooks():
     """Under saved-tensor hooks other than checkpointing's (offloading to the CPU) the kept states go through the
     hooks, and the backward writes nothing over what they hold: a second backward of the retained graph, which
@@ -185,15 +218,15 @@ def test_where_states_are_kept():
     xs, cu, _, _ = _draw(*CASES[0][1:], torch.float32)
     args = [xs[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
     on = ChunkOptions(keep_states=True)
-    assert chunk_mod.keep_states(on, torch.float32, args) is None
+    assert chunk_mod.keep_states(on, args) is None
     with torch.no_grad():
-        assert chunk_mod.keep_states(on, torch.float32, [args[0].requires_grad_()]) is None
-    assert chunk_mod.keep_states(on, torch.float32, [args[0]]) == "context"
-    assert chunk_mod.keep_states(ChunkOptions(), torch.float32, [args[0]]) is None
+        assert chunk_mod.keep_states(on, [args[0].requires_grad_()]) is None
+    assert chunk_mod.keep_states(on, [args[0]]) == "context"
+    assert chunk_mod.keep_states(ChunkOptions(), [args[0]]) is None
     for name, want in (("_checkpoint_hook.__init__.<locals>.pack_hook", None),
                        ("_recomputation_hook.__init__.<locals>.pack_hook", None), ("pack_to_cpu", "hooks")):
         with torch.autograd.graph.saved_tensors_hooks(*_hooks_named(name)):
-            assert chunk_mod.keep_states(on, torch.float32, [args[0]]) == want, name
+            assert chunk_mod.keep_states(on, [args[0]]) == want, name
 
 
 def _hooks_named(name):

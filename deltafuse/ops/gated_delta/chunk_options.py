@@ -148,11 +148,11 @@ class ChunkOptions:
     # keep_states: whether the forward keeps what the backward otherwise recomputes from the inputs (the l2norm
     # factors, gc, w, v', T and the chunk-start states), so that the backward skips its rerun of the in-chunk kernel
     # and of the forward's sequential pass, with gradients bit for bit those of the recompute. Off: a forward keeps
-    # only its inputs. On: a forward that autograd records keeps them too, about 2.5 GiB at 65,536
-    # tokens x 32 value heads of 128 x 128 at bf16 (the inputs are 0.9 GiB), from the forward to the backward: on an
-    # H100 it takes the forward+backward at 1x65,536 from 18.1 to about 15 ms (BENCHMARKS.md#gdn-keep-s27). Off by
-    # default: a model's layers would hold it all at once between the forward and the backward. Never under torch.utils.checkpoint's
-    # non-reentrant hooks (kernel.keep_states says why); needs fwd_store == bwd_store.
+    # only its inputs. On: a forward that autograd records keeps them too, about 2.5 GiB at 65,536 tokens x 32
+    # value heads of 128 x 128 at bf16 (the inputs are 0.9 GiB), from the forward to the backward; on an H100 that
+    # takes the forward+backward at 1x65,536 from 18.0 to 14.7 ms (BENCHMARKS.md#gdn-keep-s27). Off by default: a
+    # model's layers would hold it all at once between their forwards and backwards. Never under
+    # torch.utils.checkpoint's non-reentrant hooks (kernel.keep_states says why); needs fwd_store == bwd_store.
     keep_states: bool = False
 
     def __post_init__(self):

@@ -189,7 +189,7 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                          f"allowed: {sorted(str(d) for d in launch.TL_DTYPES)}")
     options, stage_hook = resolve(options, stage_hook)
     gates = NONE if gates is None else gates
-    keep = keep_states(options, q.dtype, (q, k, v, g, beta, initial_state, gates.A_log, gates.dt_bias))
+    keep = keep_states(options, (q, k, v, g, beta, initial_state, gates.A_log, gates.dt_bias))
     return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, float(scale), initial_state, bool(output_final_state),
                                       bool(use_qk_l2norm_in_kernel), cu_seqlens, options, stage_hook, gates.A_log,
                                       gates.dt_bias, bool(gates.gate), bool(gates.beta_sigmoid), keep)
@@ -201,7 +201,7 @@ def _checkpoint_pack(pack) -> bool:
     return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))
 
 
-def keep_states(options: ChunkOptions, dtype: torch.dtype, tensors) -> str | None:
+def keep_states(options: ChunkOptions, tensors) -> str | None:
     """How a call keeps its states for its backward (``ChunkOptions.keep_states``): None (it does not: the options
     say not to, no backward can run, or non-reentrant checkpointing records it), "context" (on the autograd
     context) or "hooks" (through the saved-tensor hooks in effect).
@@ -214,8 +214,6 @@ def keep_states(options: ChunkOptions, dtype: torch.dtype, tensors) -> str | Non
         return None
     if not any(t is not None and t.requires_grad for t in tensors):
         return None
-    if dtype != torch.float32 and options.fwd_store != options.bwd_store:
-        return None  # (unreachable through ChunkOptions, which refuses it: fp32 inputs store fp32 either way)
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     hooks = top(False) if top is not None else None
     if hooks is None:

@@ -8,6 +8,8 @@ float64 oracle. Runs under the Triton interpreter without CUDA (fp32 and fp16 in
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.utils.checkpoint as checkpoint
@@ -36,19 +38,19 @@ OPTIONS = [dict(), dict(wy_recompute_t=True), dict(sbwd_from_t=True), dict(bwd_g
            dict(fwd_store_v="input")]
 
 
-def _draw(shape, layout, dtype, seed=None):
+def _draw(shape, layout, dtype):
     B, T, H, HV, K, V = shape
-    xs, cu = make_inputs(B, T, H, HV, K, V, dtype=dtype, h0=True, cu=layout["cu"], l2=layout["l2"], seed=seed)
+    xs, cu = make_inputs(B, T, H, HV, K, V, dtype=dtype, h0=True, cu=layout["cu"], l2=layout["l2"])
     gen = torch.Generator().manual_seed(torch.seed() % (2**31))
     do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
     dht = torch.randn(xs["initial_state"].shape, generator=gen, dtype=torch.float64)
     return xs, cu, do.to(xs["q"].device), dht.to(xs["q"].device)
 
 
-def _run(xs, cu, do, dht, l2, options, wrap=None, stages=None, backwards=1):
+def _run(xs, cu, do, dht, l2, options, wrap=None, backwards=1):
     """Every input's gradient, and the stages run (forward, then backward), under ``options``; ``wrap(fn, *xs)``
-    runs the op (a checkpoint)."""
-    seen = [] if stages is None else stages
+    runs the op (a checkpoint); ``backwards`` backward passes of one retained graph."""
+    seen = []
     ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
 
     def op(q, k, v, g, beta, h0):
@@ -113,8 +115,8 @@ def test_kept_states_fp16(G, store_v):
 
 
 def test_kept_states_with_gates_in_the_kernel():
-    """FLA's in-kernel gate and beta (raw a, logits, A_log, dt_bias): kept states give the recompute's gradients of
-    every input and of A_log and dt_bias, bit for bit."""
+    """FLA's in-kernel gate and beta (raw a, logits, A_log, dt_bias): kept states (the backward reruns no forward
+    kernel) give the recompute's gradients of every input and of A_log and dt_bias, bit for bit."""
     xs, cu, do, dht = _draw((1, 70, 1, 2, 16, 16), dict(cu=[0, 5, 70], l2=True), torch.float32)
     gen = torch.Generator().manual_seed(torch.seed() % (2**31))
     xs["g"] = torch.randn(1, 70, 2, generator=gen)  # the raw gate a
@@ -124,10 +126,14 @@ def test_kept_states_with_gates_in_the_kernel():
     for keep in (True, False):
         ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
         a, dt = A_log.clone().requires_grad_(), dt_bias.clone().requires_grad_()
+        seen = []
         o, ht = chunk_gated_delta_rule_triton(ours["q"], ours["k"], ours["v"], ours["g"], ours["beta"], 0.25,
                                               ours["initial_state"], True, True, cu, options=ChunkOptions(
-                                                  keep_states=keep), gates=Gates(a, dt, True, True))
+                                                  keep_states=keep), stage_hook=seen.append,
+                                              gates=Gates(a, dt, True, True))
+        forward = len(seen)
         ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+        assert (seen[forward:forward + 3] == RECOMPUTE) is not keep, seen
         grads.append([x.grad for x in ours.values()] + [a.grad, dt.grad])
     for got, want in zip(*grads):
         assert got is not None and torch.equal(got, want)
@@ -158,8 +164,6 @@ def test_configured_block_under_checkpointing_with_the_backward_on_another_threa
     """A configured block with keep_states on around a non-reentrant checkpoint, its backward on another thread (as
     autograd runs a CUDA backward, where the block's options do not reach the recompute): the recompute saves what
     the first forward saved (no CheckpointError), and the gradients are bit-equal to those without checkpointing."""
-    import threading
-
     xs, cu, do, dht = _draw((1, 70, 1, 2, 16, 16), dict(cu=[0, 5, 70], l2=True), torch.float32)
     plain, _, _ = _run(xs, cu, do, dht, True, ChunkOptions())
     ours = {n: x.clone().requires_grad_() for n, x in xs.items()}

@@ -236,13 +236,18 @@ def test_chunk_device_plan_fp32(monkeypatch, cu, gate):
     if gate:
         sums = {"A_log": (rg.grad.pow(2).sum((0, 1)) * rg.pow(2).sum((0, 1))).sqrt(),
                 "dt_bias": ref["g"].grad.pow(2).sum((0, 1)).sqrt() * T ** 0.5}
+    # the raw gate's gradient under the in-kernel gate: its gates go past -10 a token (softplus of a drawn with
+    # scale 2), so the chunk-local cumulative sums reach hundreds and their fp32 rounding goes into exp(gc_i - gc_j),
+    # as in test_chunk_fp32's g_strong case, which takes a 5x looser bound for the same reason (da: 0.6-4.0e-6 on 25
+    # draws of this case, 1.03e-5 once in CI; a missing or doubled chunk is off by orders more)
     for n in ours:
         assert torch.isfinite(ours[n].grad).all(), n
         if n in sums:
             err = (ours[n].grad.double() - ref[n].grad).abs()
             assert bool((err <= FP32_TOL * sums[n].max()).all()), (n, err.tolist(), sums[n].tolist())
         else:
-            assert rel_rms(ours[n].grad, ref[n].grad) <= FP32_TOL, (n, rel_rms(ours[n].grad, ref[n].grad))
+            tol = FP32_TOL * (5 if n == "g" and gate else 1)
+            assert rel_rms(ours[n].grad, ref[n].grad) <= tol, (n, rel_rms(ours[n].grad, ref[n].grad))
     empty = [i for i, (a, b) in enumerate(zip(cu, cu[1:])) if a == b]
     for i in empty:
         assert torch.equal(ht[i], xs["initial_state"][i])

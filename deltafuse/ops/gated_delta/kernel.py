@@ -124,13 +124,11 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         # kept states go through save_for_backward under saved-tensor hooks (the hooks decide where they live), else
         # on the context, where the backward takes them (freeing each when done with it, and recomputing in a
         # second backward of a retained graph)
-        hooked = keep == "hooks"
-        ctx.save_for_backward(qf, kf, vf, gf, bf, h0, gates.A_log, gates.dt_bias, *(kept if hooked else ()))
-        ctx.kept = None if hooked else kept
-        ctx.kept_saved = hooked
-        # the backward may write its own buffers over the kept ones where nothing else holds them (kept on the
-        # context), not where hooks may hand them out again
-        ctx.owns_kept = not hooked
+        # (the backward writes its own buffers over kept ones only where nothing else holds them: on the context, not
+        # where hooks may hand them out again)
+        ctx.kept_hooked = keep == "hooks"
+        ctx.save_for_backward(qf, kf, vf, gf, bf, h0, gates.A_log, gates.dt_bias, *(kept if ctx.kept_hooked else ()))
+        ctx.kept = None if ctx.kept_hooked else kept
         ctx.meta = (B, T, scale, l2, plan, initial_state is not None, gate, beta_sigmoid)
         ctx.options, ctx.stage_hook = options, stage_hook  # the backward runs with the forward's
         return o.view(B, T, HV, V), ht
@@ -139,7 +137,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     def backward(ctx, do, dht):
         saved = list(ctx.saved_tensors)  # read once (checkpointing's hooks hand each tensor over once)
         qf, kf, vf, gf, bf, h0, A_log, dt_bias = saved[:8]
-        kept = saved[8:] if ctx.kept_saved else ctx.kept
+        kept = saved[8:] if ctx.kept_hooked else ctx.kept
         ctx.kept = None
         del saved
         B, T, scale, l2, plan, has_h0, gate, beta_sigmoid = ctx.meta
@@ -152,7 +150,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             dht = dht.contiguous()
         dq, dk, dv, dg, db, dh0, dA, ddt = launch.backward(
             qf, kf, vf, gf, bf, scale, h0, do, dht, l2, plan, has_h0 and ctx.needs_input_grad[6], ctx.options,
-            ctx.stage_hook, Gates(A_log, dt_bias, gate, beta_sigmoid), kept=kept, own_kept=ctx.owns_kept)
+            ctx.stage_hook, Gates(A_log, dt_bias, gate, beta_sigmoid), kept=kept, own_kept=not ctx.kept_hooked)
         return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V), dg.view(B, T, HV),
                 db.view(B, T, HV), None, dh0, None, None, None, None, None,
                 None if dA is None else dA.to(A_log.dtype), None if ddt is None else ddt.to(dt_bias.dtype),

@@ -386,6 +386,32 @@ def time_impl(name, fn, label, shapes, check_shape, args, results):
         print(json.dumps(row), flush=True)
 
 
+
+def variant_overrides(spec: str) -> dict:
+    """``ChunkOptions`` overrides from "field=value,..." (booleans as true / false / 1 / 0, ints as ints); ValueError
+    names a bad field or value and what is allowed. The values themselves are checked by ``ChunkOptions``."""
+    base = chunk_mod.DEFAULT_OPTIONS
+    over = {}
+    for kv in filter(None, spec.split(",")):
+        key, _, val = kv.partition("=")
+        if not hasattr(base, key):
+            raise ValueError(f"{key!r} is not a ChunkOptions field; allowed: "
+                             f"{', '.join(f.name for f in dataclasses.fields(base))}")
+        old = getattr(base, key)
+        if isinstance(old, bool):
+            if val.lower() not in ("1", "true", "0", "false"):
+                raise ValueError(f"{key}={val!r}; allowed: true, false, 1, 0")
+            over[key] = val.lower() in ("1", "true")
+        elif isinstance(old, int):
+            try:
+                over[key] = int(val)
+            except ValueError:
+                raise ValueError(f"{key}={val!r}; allowed: an int") from None
+        else:
+            over[key] = val
+    return over
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -427,6 +453,13 @@ def main():
     packed_heads = tuple(int(x) for x in args.packed_heads.split(","))
     check_lengths = [int(x) for x in args.packed_check.split(",")]
     check_shape = tuple(int(x) for x in args.check_shape.split(","))
+    variants = []  # every spec checked before any GPU work
+    for spec in filter(None, args.variants.split(";")):
+        try:
+            over = variant_overrides(spec)
+            variants.append((spec, over, dataclasses.replace(chunk_mod.DEFAULT_OPTIONS, **over)))
+        except ValueError as e:
+            ap.error(f"--variants {spec!r}: {e}")
     info = stack()
     info["gates"] = args.gates
     print("stack:", json.dumps(info))
@@ -437,20 +470,7 @@ def main():
     base_opts = chunk_mod.DEFAULT_OPTIONS
     if "ours" not in skip:
         impls.append(("ours", ours, "deltafuse triton", base_opts))
-    for spec in filter(None, args.variants.split(";")):
-        over = {}
-        for kv in spec.split(","):
-            key, _, val = kv.partition("=")
-            if not hasattr(base_opts, key):
-                ap.error(f"--variants: {key!r} is not a ChunkOptions field; allowed: "
-                         f"{', '.join(f.name for f in dataclasses.fields(base_opts))}")
-            old = getattr(base_opts, key)
-            over[key] = (val in ("1", "true", "True")) if isinstance(old, bool) else (
-                int(val) if isinstance(old, int) else val)
-        try:
-            opts = dataclasses.replace(base_opts, **over)
-        except ValueError as e:
-            ap.error(f"--variants {spec!r}: {e}")
+    for spec, over, opts in variants:
         impls.append(("ours[" + spec + "]", ours, "deltafuse triton " + json.dumps(over), opts))
     if "fla" not in skip:
         fn, label = load_fla(stack_guard)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_gdn  # noqa: E402
-from bench_gdn import GATES, SHAPES, breakdown, make, ours, rel, stack, timing  # noqa: E402
+from bench_gdn import GATES, SHAPES, breakdown, make, ours, rel, stack, timing, variant_overrides  # noqa: E402
 
 from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
@@ -77,26 +77,7 @@ def shape_and_options(ap: argparse.ArgumentParser, shape: str, options: str):
 
 def parse_variant(spec: str) -> chunk_mod.ChunkOptions:
     """``ChunkOptions`` from "field=value,..." overrides of the defaults; ValueError names a bad field or value."""
-    base = chunk_mod.DEFAULT_OPTIONS
-    over = {}
-    for kv in filter(None, spec.split(",")):
-        key, _, val = kv.partition("=")
-        if not hasattr(base, key):
-            raise ValueError(f"{key!r} is not a ChunkOptions field; allowed: "
-                             f"{', '.join(f.name for f in dataclasses.fields(base))}")
-        old = getattr(base, key)
-        if isinstance(old, bool):
-            if val.lower() not in ("1", "true", "0", "false"):
-                raise ValueError(f"{key}={val!r}; allowed: true, false, 1, 0")
-            over[key] = val.lower() in ("1", "true")
-        elif isinstance(old, int):
-            try:
-                over[key] = int(val)
-            except ValueError:
-                raise ValueError(f"{key}={val!r}; allowed: an int") from None
-        else:
-            over[key] = val
-    return dataclasses.replace(base, **over)
+    return dataclasses.replace(chunk_mod.DEFAULT_OPTIONS, **variant_overrides(spec))
 
 
 class Oracle:

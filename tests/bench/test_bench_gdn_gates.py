@@ -47,3 +47,17 @@ def test_unknown_gates_mode_is_refused(monkeypatch):
     monkeypatch.setattr(bench_gdn, "gates_mode", "slow")
     with pytest.raises(ValueError, match="gates_mode='slow'; allowed: fast, spread"):
         bench_gdn.make(1, 4, 1, 2, 8, dtype=torch.float32, device="cpu")
+
+
+def test_variant_overrides_parse_strictly():
+    """`--variants` items (bench_gdn.py and tune_gdn.py): typed overrides, and one-line errors that name the field or
+    value and what is allowed, instead of a misspelt boolean read as False."""
+    over = bench_gdn.variant_overrides("keep_states=TRUE,bv_out=32,fwd_prod_wh=x2,bo_two_pass=0")
+    assert over == {"keep_states": True, "bv_out": 32, "fwd_prod_wh": "x2", "bo_two_pass": False}
+    assert bench_gdn.variant_overrides("") == {}
+    with pytest.raises(ValueError, match=r"keep_states='yes'; allowed: true, false, 1, 0"):
+        bench_gdn.variant_overrides("keep_states=yes")
+    with pytest.raises(ValueError, match=r"bv_out='3x'; allowed: an int"):
+        bench_gdn.variant_overrides("bv_out=3x")
+    with pytest.raises(ValueError, match=r"'bv_outt' is not a ChunkOptions field; allowed: .*bv_out"):
+        bench_gdn.variant_overrides("bv_outt=32")

@@ -637,6 +637,17 @@ def test_fwd_v2_options_are_validated():
     with pytest.raises(ValueError, match="stages_out=0; allowed: an int >= 1"):
         chunk_mod.ChunkOptions(stages_out=0)
     assert chunk_mod.ChunkOptions(stages_hfwd=3, stages_out=3).stages_hfwd == 3
+    # one stage, value tiles under 64 and 4+ warps in the two kernels that faulted so on an H100 (Triton 3.6)
+    with pytest.raises(ValueError, match=r"stages_dvl=1 with bv_dvl=32 and warps_dvl=4 is refused .*gdn-tile-fault-s29"
+                                         r".*allowed: stages_dvl >= 2, bv_dvl >= 64, or warps_dvl <= 2"):
+        chunk_mod.ChunkOptions(stages_dvl=1, bv_dvl=32)
+    with pytest.raises(ValueError, match=r"stages=1 with bv_intra=16 and warps_intra=8 is refused"):
+        chunk_mod.ChunkOptions(stages=1, bv_intra=16, warps_intra=8)
+    # each of the three alone, and the combinations that ran bit-equal to the defaults there, stay allowed
+    for ok in (dict(stages_dvl=1), dict(bv_dvl=16), dict(stages_dvl=1, bv_dvl=64), dict(stages_dvl=1, bv_dvl=16,
+               warps_dvl=2), dict(stages=1), dict(bv_intra=32), dict(stages_out=1, bv_out=16),
+               dict(stages_bo=1, bv_bo=16, warps_bo=4), dict(stages_wy=1, bv_wy=16)):
+        chunk_mod.ChunkOptions(**ok)
 
 
 def test_sequential_passes_fit_their_stages_to_shared_memory():

@@ -42,7 +42,9 @@ class ChunkOptions:
     ``stages_<kernel>``: its pipeline stages. The two sequential passes (``stages_hfwd``, ``stages_sbwd``) take
     at most that many: fewer where that many chunks' loads would not fit the device's shared memory
     (``chunk_launch.fit_stages``; one at fp32 storage in the reverse pass on an H200). In the interpreter warps
-    and stages are 1 and tile widths are capped at the head size.
+    and stages are 1 and tile widths are capped at the head size. One stage with a value tile under 64 and 4 or more
+    warps is refused for ``_intra_fwd`` (``stages``, ``bv_intra``, ``warps_intra``) and ``_dv_local`` (``stages_dvl``,
+    ``bv_dvl``, ``warps_dvl``): it faulted or gave NaN gradients on an H100 with Triton 3.6.
     """
 
     fwd_store: str = "input"
@@ -179,6 +181,14 @@ class ChunkOptions:
             if not f.name.startswith("stages") and value & (value - 1):
                 raise ValueError(f"ChunkOptions.{f.name}={value!r}; allowed: a power of two (a tile width or a "
                                  "warp count)")
+        for stages, bv, warps in _ONE_STAGE_FAULTS:
+            # the two kernels that loop over value tiles after a product held from before the loop (_intra_fwd,
+            # _dv_local): illegal memory accesses or NaN gradients on an H100 with Triton 3.6
+            if getattr(self, stages) == 1 and getattr(self, bv) < 64 and getattr(self, warps) >= 4:
+                raise ValueError(f"ChunkOptions.{stages}=1 with {bv}={getattr(self, bv)} and {warps}="
+                                 f"{getattr(self, warps)} is refused (illegal memory accesses or NaN gradients on an "
+                                 f"H100 with Triton 3.6, BENCHMARKS.md#gdn-tile-fault-s29); allowed: {stages} >= 2, "
+                                 f"{bv} >= 64, or {warps} <= 2")
 
     def _check_choice(self, name: str, allowed) -> None:
         if getattr(self, name) not in allowed:
@@ -190,6 +200,9 @@ class ChunkOptions:
 _CHOICES = (("fwd_store", ("input", "fp32")), ("bwd_store", ("input", "fp32")), ("fwd_store_v", ("input", "fp32")),
             ("intra_inv", INV_MODES),
             ("intra_prod", ("x2", "16")), ("bwd_partials", ("input", "fp32")))
+# (stages, value tile, warps) of the kernels whose single-stage build with value tiles under 64 columns and 4 or more
+# warps faulted or gave NaN gradients on an H100 with Triton 3.6 (BENCHMARKS.md#gdn-tile-fault-s29)
+_ONE_STAGE_FAULTS = (("stages", "bv_intra", "warps_intra"), ("stages_dvl", "bv_dvl", "warps_dvl"))
 _PRODUCTS = ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo", "sbwd_prod_kd",
              "sbwd_prod_qd", "sbwd_prod_wd", "sbwd_prod_td")
 DEFAULT_OPTIONS = ChunkOptions()

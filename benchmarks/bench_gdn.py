@@ -386,7 +386,6 @@ def time_impl(name, fn, label, shapes, check_shape, args, results):
         print(json.dumps(row), flush=True)
 
 
-
 def variant_overrides(spec: str) -> dict:
     """``ChunkOptions`` overrides from "field=value,..." (booleans as true / false / 1 / 0, ints as ints); ValueError
     names a bad field or value and what is allowed. The values themselves are checked by ``ChunkOptions``."""

@@ -228,8 +228,8 @@ def configured(options: ChunkOptions | None = None, stage_hook: StageHook | None
     timing); what was in effect before is restored on exit. A call reads them once, at its start: its backward
     uses its forward's, wherever it runs. A checkpoint's recompute in the backward is a new call: on a GPU it runs
     on autograd's thread, which the block does not reach (BENCHMARKS.md#gdn-keep-s27): it runs with the options
-    passed to the call, else the defaults, and may differ from the first run. Normal use never needs it: the defaults are the tuned values
-    (BENCHMARKS.md#gdn-v2-combined, #gdn-16bit-w-state)."""
+    passed to the call, else the defaults, and may differ from the first run. Normal use never needs it: the
+    defaults are the tuned values (BENCHMARKS.md#gdn-v2-combined, #gdn-16bit-w-state)."""
     _check(options)
     token = _DEFAULTS.set((DEFAULT_OPTIONS if options is None else options, stage_hook))
     try:

@@ -411,30 +411,72 @@ def variant_overrides(spec: str) -> dict:
     return over
 
 
+def ints(text: str, count: int | None = None) -> tuple[int, ...]:
+    """Positive ints from "a,b,..." (exactly ``count`` of them when given): an argparse ``type``, so a bad value is one
+    usage error naming the argument before any GPU work."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1 or (count is not None and len(values) != count):
+        allowed = f"{count} comma-separated ints >= 1" if count else "comma-separated ints >= 1"
+        raise argparse.ArgumentTypeError(f"{text!r}; allowed: {allowed}")
+    return values
+
+
+def head_shape(text: str, count: int) -> tuple[int, ...]:
+    """``ints`` whose last three are H, HV, D with HV a multiple of H (B,T,H,HV,D or H,HV,D)."""
+    values = ints(text, count)
+    if values[-2] % values[-3]:
+        raise argparse.ArgumentTypeError(f"{text!r}: HV={values[-2]} is not a multiple of H={values[-3]}; "
+                                         "allowed: HV a multiple of H")
+    return values
+
+
+def shape_indices(text: str) -> list[int]:
+    """Indices into SHAPES from "i,j,..." (``--shapes`` also takes "all"; an empty string is none)."""
+    if text == "all":
+        return list(range(len(SHAPES)))
+    try:
+        idx = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        idx = [-1]
+    if any(not 0 <= i < len(SHAPES) for i in idx):
+        raise argparse.ArgumentTypeError(f"{text!r}; allowed: 'all' or comma-separated indices 0-{len(SHAPES) - 1} "
+                                         "into " + ", ".join(f"{i}: {s}" for i, s in enumerate(SHAPES)))
+    return idx
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--hf-max-tokens", type=int, default=16384,
                     help="skip the HF torch fallback above this many tokens (B*T)")
     ap.add_argument("--rep-ms", type=int, default=200)
-    ap.add_argument("--shapes", default="all", help="'all' or indices into the reference list, e.g. 0,1")
-    ap.add_argument("--check-shape", default="1,1024,16,32,128", help="B,T,H,HV,D for the correctness check")
+    ap.add_argument("--shapes", default="all", type=shape_indices,
+                    help="'all' or indices into the reference list, e.g. 0,1")
+    ap.add_argument("--check-shape", default="1,1024,16,32,128", type=lambda x: head_shape(x, 5),
+                    help="B,T,H,HV,D for the correctness check")
     ap.add_argument("--variants", default="", help="semicolon-separated ChunkOptions overrides for extra rows "
                     "of ours, timed at the first shape only (and in --kernels tables), e.g. "
                     "'fwd_prod_wh=16,fwd_prod_kv=16;prod_wy=x2'; benchmarks/tune_gdn.py times options at every shape")
     ap.add_argument("--variants-every-shape", action="store_true",
                     help="time the --variants rows at every shape, next to the peers (default: the first shape)")
-    ap.add_argument("--breakdown", default="", help="shape indices for a per-stage timing of ours, e.g. 0,1")
-    ap.add_argument("--kernels", default="", help="shape indices for a per-kernel device-time table of ours and "
-                    "FLA side by side (torch.profiler), e.g. 1,3")
+    ap.add_argument("--breakdown", default="", type=shape_indices,
+                    help="shape indices for a per-stage timing of ours, e.g. 0,1")
+    ap.add_argument("--kernels", default="", type=shape_indices,
+                    help="shape indices for a per-kernel device-time table of ours and FLA side by side "
+                    "(torch.profiler), e.g. 1,3")
     ap.add_argument("--skip", default="", help="comma list of impls to skip: hf,fla,fla+fq,fq,ours,ref")
-    ap.add_argument("--segments", default="", help="comma list of segment lengths: rows of ours with sequences of "
-                    "at least twice that cut into parallel segments (benchmarks/gdn_segments.py)")
+    ap.add_argument("--segments", default=(), type=ints,
+                    help="comma list of segment lengths: rows of ours with sequences of at least twice that cut into "
+                    "parallel segments (benchmarks/gdn_segments.py)")
     ap.add_argument("--packed", default="one,all1,u1-16,mix",
                     help=f"packed-row layouts to time (comma list of {', '.join(PACKED)}; empty for none)")
     ap.add_argument("--packed-tokens", type=int, default=4096, help="tokens in the packed row")
-    ap.add_argument("--packed-heads", default="16,32,128", help="H,HV,D of the packed rows")
-    ap.add_argument("--packed-check", default="1,3,64,65,200,1,2,16,9,1",
+    ap.add_argument("--packed-heads", default="16,32,128", type=lambda x: head_shape(x, 3),
+                    help="H,HV,D of the packed rows")
+    ap.add_argument("--packed-check", default="1,3,64,65,200,1,2,16,9,1", type=ints,
                     help="sequence lengths of the packed correctness check (same heads)")
     ap.add_argument("--gates", default="fast", choices=GATES,
                     help="how fast the inputs' gates decay: 'fast' (every head forgets within a 64-token chunk) "
@@ -442,16 +484,16 @@ def main():
     args = ap.parse_args()
     global gates_mode
     gates_mode = args.gates
-    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    shapes = [SHAPES[i] for i in args.shapes]
     layouts = [x for x in args.packed.split(",") if x]
     unknown = [x for x in layouts if x not in PACKED]
     if unknown:
         ap.error(f"--packed: unknown layout(s) {unknown}; allowed: {', '.join(PACKED)}")
     if args.packed_tokens < 1:
         ap.error(f"--packed-tokens must be >= 1, got {args.packed_tokens}")
-    packed_heads = tuple(int(x) for x in args.packed_heads.split(","))
-    check_lengths = [int(x) for x in args.packed_check.split(",")]
-    check_shape = tuple(int(x) for x in args.check_shape.split(","))
+    packed_heads = args.packed_heads
+    check_lengths = list(args.packed_check)
+    check_shape = args.check_shape
     variants = []  # every spec checked before any GPU work
     for spec in filter(None, args.variants.split(";")):
         try:
@@ -480,15 +522,15 @@ def main():
     if "fq" not in skip:
         fn, label = load_flash_qla()
         impls.append(("fq", fn, label))
-    for seg in filter(None, args.segments.split(",")):
-        impls.append((f"seg{seg}", segmented(int(seg), 2 * int(seg)), f"deltafuse triton, segments of {seg}"))
+    for seg in args.segments:
+        impls.append((f"seg{seg}", segmented(seg, 2 * seg), f"deltafuse triton, segments of {seg}"))
     if "hf" not in skip:
         fn, label = load_hf()
         impls.append(("hf", fn, label))
 
     results = {"stack": info, "check_shape": check_shape, "rows": [], "breakdown": {}}
-    for i in filter(None, args.breakdown.split(",")):
-        shape = SHAPES[int(i)]
+    for i in args.breakdown:
+        shape = SHAPES[i]
         bd = breakdown(shape)
         results["breakdown"][str(shape)] = bd
         print(f"breakdown {shape}: total {sum(bd.values()):.3f} ms: " +
@@ -505,8 +547,8 @@ def main():
         with open(args.out, "w") as f:  # after each implementation: a run cut short keeps what it measured
             json.dump(results, f, indent=1)
     results["kernels"] = {}
-    for i in filter(None, args.kernels.split(",")):
-        shape = SHAPES[int(i)]
+    for i in args.kernels:
+        shape = SHAPES[i]
         per = {}
         for entry in impls:
             name, fn = entry[:2]

@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_gdn  # noqa: E402
-from bench_gdn import GATES, SHAPES, breakdown, make, ours, rel, stack, timing, variant_overrides  # noqa: E402
+from bench_gdn import (GATES, SHAPES, breakdown, head_shape, make, ours, rel,  # noqa: E402
+                       shape_indices, stack, timing, variant_overrides)
 
 from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
@@ -109,8 +110,10 @@ def main():
     ap.add_argument("--variants", default=None, help="semicolon-separated ChunkOptions overrides (an empty item "
                     "is the defaults); default: the built-in sweep")
     ap.add_argument("--part", default="0/1", help="i/n: run every n-th variant starting at i (split over GPUs)")
-    ap.add_argument("--shapes", default="all", help="'all' or indices into bench_gdn.SHAPES, e.g. 0,1")
-    ap.add_argument("--check-shape", default="1,1024,16,32,128", help="B,T,H,HV,D of the oracle check")
+    ap.add_argument("--shapes", default="all", type=shape_indices,
+                    help="'all' or indices into bench_gdn.SHAPES, e.g. 0,1")
+    ap.add_argument("--check-shape", default="1,1024,16,32,128", type=lambda x: head_shape(x, 5),
+                    help="B,T,H,HV,D of the oracle check")
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--iters", type=int, default=8, help="runs per stage timing")
     ap.add_argument("--gates", default="fast", choices=GATES,
@@ -128,8 +131,8 @@ def main():
         opts = [parse_variant(s) for s in specs]  # every spec checked before the GPU work starts
     except ValueError as e:
         ap.error(f"--variants: {e}")
-    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(j)] for j in args.shapes.split(",")]
-    oracle = Oracle(tuple(int(x) for x in args.check_shape.split(",")))
+    shapes = [SHAPES[j] for j in args.shapes]
+    oracle = Oracle(args.check_shape)
     result = {"stack": stack(), "check_shape": args.check_shape, "gates": args.gates, "variants": []}
     for spec, opt in zip(specs, opts):
         row = {"variant": spec or "defaults", "shapes": {}}

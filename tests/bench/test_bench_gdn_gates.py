@@ -61,3 +61,33 @@ def test_variant_overrides_parse_strictly():
         bench_gdn.variant_overrides("bv_out=3x")
     with pytest.raises(ValueError, match=r"'bv_outt' is not a ChunkOptions field; allowed: .*bv_out"):
         bench_gdn.variant_overrides("bv_outt=32")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shapes", "4"], "argument --shapes: '4'; allowed: 'all' or comma-separated indices 0-3"),
+    (["--shapes", "1,x"], "argument --shapes: '1,x'; allowed: 'all'"),
+    (["--kernels", "-1"], "argument --kernels: '-1'; allowed:"),
+    (["--breakdown", "0,4"], "argument --breakdown: '0,4'; allowed:"),
+    (["--check-shape", "1,1024,16,32"], "argument --check-shape: '1,1024,16,32'; allowed: 5 comma-separated ints"),
+    (["--check-shape", "1,64,3,4,64"], "argument --check-shape: '1,64,3,4,64': HV=4 is not a multiple of H=3"),
+    (["--packed-heads", "16,32,x"], "argument --packed-heads: '16,32,x'; allowed: 3 comma-separated ints >= 1"),
+    (["--packed-check", "3,0"], "argument --packed-check: '3,0'; allowed: comma-separated ints >= 1"),
+    (["--segments", "2048,"], "argument --segments: '2048,'; allowed: comma-separated ints >= 1"),
+])
+def test_bad_shape_arguments_are_one_usage_error(monkeypatch, capsys, argv, message):
+    """bench_gdn.py's shape arguments (tune_gdn.py takes the same types): a bad value is argparse's usage error,
+    naming the argument, the value and what is allowed, before anything runs, instead of a traceback."""
+    monkeypatch.setattr("sys.argv", ["bench_gdn.py", "--out", "unused.json", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_gdn.main()
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_shape_arguments_parse():
+    assert bench_gdn.shape_indices("all") == [0, 1, 2, 3]
+    assert bench_gdn.shape_indices("3,1") == [3, 1]
+    assert bench_gdn.shape_indices("") == []
+    assert bench_gdn.head_shape("2,512,4,8,64", 5) == (2, 512, 4, 8, 64)
+    assert bench_gdn.ints("1,3,64") == (1, 3, 64)

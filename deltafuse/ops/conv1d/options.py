@@ -7,11 +7,10 @@ tests cross block edges; ``DEFAULT_OPTIONS`` on a GPU). The forward's autograd c
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass, fields
 
 from deltafuse.config import triton_interpreting
+from deltafuse.ops._scoped import ScopedDefault
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,9 @@ DEFAULT_OPTIONS = ConvOptions()
 INTERPRET_OPTIONS = ConvOptions(fwd_block_c=8, fwd_block_t=4, fwd_warps=1, fwd_stages=1, bwd_block_c=8,
                                 bwd_block_t=4, bwd_warps=1, bwd_stages=1, update_block_c=8, update_warps=1,
                                 fwd_prefetch=2, bwd_prefetch=3)
-# options set by ``configured`` for calls that pass none, else None (the defaults for the device)
-_DEFAULT: contextvars.ContextVar[ConvOptions | None] = contextvars.ContextVar("deltafuse_conv_options",
-                                                                              default=None)
+# options set by ``configured`` for calls that pass none, else None (the defaults for the device); see ops._scoped
+# for where a block reaches
+_DEFAULT: ScopedDefault[ConvOptions | None] = ScopedDefault("deltafuse_conv_options", None)
 
 
 def _check(options) -> None:
@@ -65,17 +64,14 @@ def _check(options) -> None:
         raise TypeError(f"options must be a ConvOptions or None, got {type(options).__name__}")
 
 
-@contextlib.contextmanager
 def configured(options: ConvOptions | None = None):
     """Calls of the conv kernels inside the block that pass no ``options`` run with these (also under the
     interpreter); None: the device's defaults. What was in effect before is restored on exit. A call reads them
-    once, at its start, and a forward's backward runs with the forward's."""
+    once, at its start, and a forward's backward runs with the forward's. The block also reaches calls during a
+    backward that no block of their own reaches (a checkpoint's recompute on autograd's thread;
+    ``deltafuse.ops._scoped``)."""
     _check(options)
-    token = _DEFAULT.set(options)
-    try:
-        yield
-    finally:
-        _DEFAULT.reset(token)
+    return _DEFAULT.block(options)
 
 
 def current_options() -> ConvOptions:

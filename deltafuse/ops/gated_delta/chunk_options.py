@@ -7,10 +7,10 @@ one that passes none reads, once at its start, what the innermost ``configured``
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass, fields
 from typing import Callable
+
+from deltafuse.ops._scoped import ScopedDefault
 
 # product modes (kernel_fwd._dot_m): "tf32" one fp32 product, "16" the fp32 operand rounded to 16 bits, "x2" split
 PROD_MODES = {"tf32": 0, "16": 1, "x2": 2}
@@ -206,9 +206,9 @@ _ONE_STAGE_FAULTS = (("stages", "bv_intra", "warps_intra"), ("stages_dvl", "bv_d
 _PRODUCTS = ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo", "sbwd_prod_kd",
              "sbwd_prod_qd", "sbwd_prod_wd", "sbwd_prod_td")
 DEFAULT_OPTIONS = ChunkOptions()
-# (options, stage hook) of calls that pass none: the defaults and no hook, except inside a ``configured`` block
-_DEFAULTS: contextvars.ContextVar[tuple[ChunkOptions, StageHook | None]] = contextvars.ContextVar(
-    "deltafuse_chunk_options", default=(DEFAULT_OPTIONS, None))
+# (options, stage hook) of calls that pass none: the defaults and no hook, except where a ``configured`` block reaches
+_DEFAULTS: ScopedDefault[tuple[ChunkOptions, StageHook | None]] = ScopedDefault("deltafuse_chunk_options",
+                                                                                (DEFAULT_OPTIONS, None))
 
 
 def options_in_effect() -> ChunkOptions:
@@ -221,21 +221,17 @@ def _check(options) -> None:
         raise TypeError(f"options must be a ChunkOptions or None, got {type(options).__name__}")
 
 
-@contextlib.contextmanager
 def configured(options: ChunkOptions | None = None, stage_hook: StageHook | None = None):
     """Calls of the chunked op inside the block that pass no ``options`` run with these, and call
     ``stage_hook(stage_name)`` after each kernel launch of their forward and backward (a benchmark's per-stage
     timing); what was in effect before is restored on exit. A call reads them once, at its start: its backward
-    uses its forward's, wherever it runs. A checkpoint's recompute in the backward is a new call: on a GPU it runs
-    on autograd's thread, which the block does not reach (BENCHMARKS.md#gdn-keep-s27): it runs with the options
-    passed to the call, else the defaults, and may differ from the first run. Normal use never needs it: the
-    defaults are the tuned values (BENCHMARKS.md#gdn-v2-combined, #gdn-16bit-w-state)."""
+    uses its forward's, wherever it runs. A checkpoint's recompute in the backward is a new call, on a GPU on
+    autograd's own thread: calls during a backward that no block of their own reaches take the innermost block open
+    in the process (``deltafuse.ops._scoped``), so a block around the forward and the backward gives the recompute
+    the first run's options; a backward after the block has closed recomputes with the defaults. Normal use never
+    needs it: the defaults are the tuned values (BENCHMARKS.md#gdn-v2-combined, #gdn-16bit-w-state)."""
     _check(options)
-    token = _DEFAULTS.set((DEFAULT_OPTIONS if options is None else options, stage_hook))
-    try:
-        yield
-    finally:
-        _DEFAULTS.reset(token)
+    return _DEFAULTS.block((DEFAULT_OPTIONS if options is None else options, stage_hook))
 
 
 def resolve(options: ChunkOptions | None, stage_hook: StageHook | None) -> tuple[ChunkOptions, StageHook | None]:

@@ -205,9 +205,9 @@ def keep_states(options: ChunkOptions, tensors) -> str | None:
     context) or "hooks" (through the saved-tensor hooks in effect).
 
     Never under torch.utils.checkpoint's non-reentrant hooks: checkpointing requires its recompute to save what
-    the first forward saved, and the recompute runs on autograd's thread, where a ``configured`` block's options
-    do not reach, so the two could disagree. (A reentrant checkpoint's recompute, with no hooks, keeps on the
-    context: that changes nothing checkpointing compares.)"""
+    the first forward saved, and the recompute runs on autograd's thread, which a ``configured`` block reaches only
+    while it is open (``deltafuse.ops._scoped``), so the two could disagree. (A reentrant checkpoint's recompute,
+    with no hooks, keeps on the context: that changes nothing checkpointing compares.)"""
     if not options.keep_states or not torch.is_grad_enabled():
         return None
     if not any(t is not None and t.requires_grad for t in tensors):

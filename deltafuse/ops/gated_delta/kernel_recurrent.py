@@ -30,8 +30,6 @@ g = -exp(A_log[hv]) * softplus(a + dt_bias[hv]) (A_log and dt_bias read once per
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 
@@ -40,6 +38,7 @@ import triton
 import triton.language as tl
 
 from deltafuse.config import triton_interpreting
+from deltafuse.ops._scoped import ScopedDefault
 from deltafuse.ops.gated_delta.gates import Gates
 from deltafuse.ops.gated_delta.kernel import chunk_gated_delta_rule_triton
 from deltafuse.ops.gated_delta.kernel_fwd import sigmoid, softplus
@@ -79,9 +78,8 @@ class RecurrentOptions:
 
 
 DEFAULT_OPTIONS = RecurrentOptions()
-# the options of calls that pass none: the defaults, except inside a ``configured`` block
-_DEFAULT: contextvars.ContextVar[RecurrentOptions] = contextvars.ContextVar("deltafuse_recurrent_options",
-                                                                            default=DEFAULT_OPTIONS)
+# the options of calls that pass none: the defaults, except where a ``configured`` block reaches (ops._scoped)
+_DEFAULT: ScopedDefault[RecurrentOptions] = ScopedDefault("deltafuse_recurrent_options", DEFAULT_OPTIONS)
 
 
 def options_in_effect() -> RecurrentOptions:
@@ -98,15 +96,12 @@ def _resolve(options) -> RecurrentOptions:
     return options
 
 
-@contextlib.contextmanager
 def configured(options: RecurrentOptions | None = None):
     """Calls of the recurrent kernel inside the block that pass no ``options`` run with these (a benchmark's
-    sweep); each call reads them once, at its start. What was in effect before is restored on exit."""
-    token = _DEFAULT.set(DEFAULT_OPTIONS if options is None else _resolve(options))
-    try:
-        yield
-    finally:
-        _DEFAULT.reset(token)
+    sweep); each call reads them once, at its start. What was in effect before is restored on exit. The block also
+    reaches calls during a backward that no block of their own reaches (a checkpoint's recompute on autograd's
+    thread; ``deltafuse.ops._scoped``)."""
+    return _DEFAULT.block(DEFAULT_OPTIONS if options is None else _resolve(options))
 
 
 def _pow2(n: int) -> int:

@@ -102,6 +102,7 @@ pytest.importorskip("triton")
 
 from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
 from deltafuse.ops.gated_delta.kernel import chunk_gated_delta_rule_triton  # noqa: E402
+from tests.helpers import gpu, needs_cuda  # noqa: E402
 from tests.ops.test_gdn_keep_states import BACKWARD, RECOMPUTE, _draw, _run  # noqa: E402
 
 
@@ -132,5 +133,41 @@ def test_configured_reaches_a_checkpoints_recompute_on_autograds_thread(inside):
     backward = seen[len(RECOMPUTE) + 1:]
     rerun = RECOMPUTE + ["out"] if inside else []
     assert backward == rerun + RECOMPUTE + BACKWARD + ["bwd_reduce"], backward
+    for n in xs:
+        assert torch.equal(ours[n].grad, plain[n]), n
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("inside", [True, False], ids=["backward_inside_block", "backward_after_block"])
+def test_configured_reaches_the_recompute_on_the_cuda_backward_thread(inside):
+    """On a GPU, where autograd runs the backward on its own device thread: a ``configured`` block's stage hook sees
+    the checkpoint's rerun of the forward when the backward runs inside the block, and not after it has closed;
+    the op's backward runs with its first forward's hook either way. bf16, gradients bit-equal to those without
+    checkpointing."""
+    xs, cu, do, dht = _draw((1, 300, 2, 4, 128, 128), dict(cu=[0, 100, 300], l2=True), torch.bfloat16)
+    plain, _, _ = _run(xs, cu, do, dht, True, chunk_mod.ChunkOptions())
+    ours = {n: x.clone().requires_grad_() for n, x in xs.items()}
+    seen = []
+
+    def hook(stage):
+        seen.append((stage, threading.get_ident()))
+
+    def op(q, k, v, g, beta, h0):
+        return chunk_gated_delta_rule_triton(q, k, v, g, beta, 0.25, h0, True, True, cu)
+
+    with chunk_mod.configured(stage_hook=hook):
+        o, ht = checkpoint.checkpoint(op, *(ours[n] for n in ("q", "k", "v", "g", "beta", "initial_state")),
+                                      use_reentrant=False)
+        loss = (o.double() * do).sum() + (ht.double() * dht).sum()
+        if inside:
+            loss.backward()
+    if not inside:
+        loss.backward()
+    forward = len(RECOMPUTE) + 1
+    stages = [s for s, _ in seen[forward:]]
+    rerun = RECOMPUTE + ["out"] if inside else []
+    assert stages == rerun + RECOMPUTE + BACKWARD + ["bwd_reduce"], stages
+    assert {t for _, t in seen[forward:]} != {threading.get_ident()}  # the backward ran on autograd's thread
     for n in xs:
         assert torch.equal(ours[n].grad, plain[n]), n

@@ -3,7 +3,9 @@
 # and bench tests again on transformers 5.9.0 (the older modeling design), then packed batches and context
 # parallelism on 5.2.0 (the oldest supported: decoder layers that do not pass their keywords to the GDN layer) and
 # 5.14.1 (the last release of the older design). Triton kernels run under TRITON_INTERPRET=1. The older-transformers runs go
-# alongside the newest one (their output is printed after it); the script fails if any run fails.
+# alongside the newest one, and after them the newest transformers' slowest interpreted kernel tests (kernel_tests),
+# so that the two legs take about as long on CI's 2 cores (the newest run alone took 22 min, the older ones 11). Their
+# output is printed after the newest run's; the script fails if any run fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh .venv
@@ -26,18 +28,26 @@ older_transformers() {
   done
 }
 
+kernel_tests=(tests/ops/test_conv1d_triton.py tests/ops/test_gdn_triton.py tests/ops/test_gdn_fla_options.py
+              tests/ops/test_gdn_keep_states.py)
+newest_kernels() {
+  echo "== interpreted kernel tests, newest transformers =="
+  .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$work/kernels" "${kernel_tests[@]}"
+}
+
 # each run its own pytest temporary directory (concurrent sessions must not clean up each other's)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 older_log="$work/older.log"
-( set -e; older_transformers ) > "$older_log" 2>&1 &
+( set -e; older_transformers; newest_kernels ) > "$older_log" 2>&1 &
 older_pid=$!
 
-echo "== tests, newest transformers =="
+echo "== tests, newest transformers (the kernel tests of kernel_tests run beside it) =="
 newest_rc=0
-.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$work/newest" tests || newest_rc=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$work/newest" tests \
+  "${kernel_tests[@]/#/--ignore=}" || newest_rc=$?
 older_rc=0
 wait "$older_pid" || older_rc=$?
 cat "$older_log"
-echo "== newest transformers: exit $newest_rc; older transformers: exit $older_rc =="
+echo "== newest transformers: exit $newest_rc; older transformers and the kernel tests: exit $older_rc =="
 [ "$newest_rc" -eq 0 ] && [ "$older_rc" -eq 0 ]

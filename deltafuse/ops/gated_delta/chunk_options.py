@@ -182,8 +182,6 @@ class ChunkOptions:
                 raise ValueError(f"ChunkOptions.{f.name}={value!r}; allowed: a power of two (a tile width or a "
                                  "warp count)")
         for stages, bv, warps in _ONE_STAGE_FAULTS:
-            # the two kernels that loop over value tiles after a product held from before the loop (_intra_fwd,
-            # _dv_local): illegal memory accesses or NaN gradients on an H100 with Triton 3.6
             if getattr(self, stages) == 1 and getattr(self, bv) < 64 and getattr(self, warps) >= 4:
                 raise ValueError(f"ChunkOptions.{stages}=1 with {bv}={getattr(self, bv)} and {warps}="
                                  f"{getattr(self, warps)} is refused (illegal memory accesses or NaN gradients on an "
@@ -201,7 +199,8 @@ _CHOICES = (("fwd_store", ("input", "fp32")), ("bwd_store", ("input", "fp32")), 
             ("intra_inv", INV_MODES),
             ("intra_prod", ("x2", "16")), ("bwd_partials", ("input", "fp32")))
 # (stages, value tile, warps) of the kernels whose single-stage build with value tiles under 64 columns and 4 or more
-# warps faulted or gave NaN gradients on an H100 with Triton 3.6 (BENCHMARKS.md#gdn-tile-fault-s29)
+# warps faulted or gave NaN gradients on an H100 with Triton 3.6 (BENCHMARKS.md#gdn-tile-fault-s29): the two that loop
+# over value tiles after a product held from before the loop, _intra_fwd and _dv_local
 _ONE_STAGE_FAULTS = (("stages", "bv_intra", "warps_intra"), ("stages_dvl", "bv_dvl", "warps_dvl"))
 _PRODUCTS = ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo", "sbwd_prod_kd",
              "sbwd_prod_qd", "sbwd_prod_wd", "sbwd_prod_td")

@@ -15,6 +15,13 @@ import torch.utils.checkpoint as checkpoint
 
 from deltafuse.ops._scoped import ScopedDefault
 
+pytest.importorskip("triton")
+
+from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
+from deltafuse.ops.gated_delta.kernel import chunk_gated_delta_rule_triton  # noqa: E402
+from tests.helpers import gpu, needs_cuda  # noqa: E402
+from tests.ops.test_gdn_keep_states import BACKWARD, RECOMPUTE, _draw, _run  # noqa: E402
+
 
 def _on_thread(fn):
     """fn() on a new thread (no block of its own); its result, or its exception raised here."""
@@ -96,14 +103,6 @@ def test_scoped_default_closing_out_of_order_keeps_the_other_block():
     release.set()
     worker.join()
     assert done and _seen_in_backward(scoped) == [0]
-
-
-pytest.importorskip("triton")
-
-from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
-from deltafuse.ops.gated_delta.kernel import chunk_gated_delta_rule_triton  # noqa: E402
-from tests.helpers import gpu, needs_cuda  # noqa: E402
-from tests.ops.test_gdn_keep_states import BACKWARD, RECOMPUTE, _draw, _run  # noqa: E402
 
 
 @pytest.mark.parametrize("inside", [True, False], ids=["backward_inside_block", "backward_after_block"])

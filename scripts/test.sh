@@ -8,6 +8,15 @@
 # output is printed after the newest run's; the script fails if any run fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# one base seed for the random inputs of every pytest run below (tests/helpers.py input_seed): fresh each time unless
+# TEST_SEED names one, printed first so that a failure's inputs can be drawn again
+seed=${TEST_SEED:-$(( (RANDOM << 16 | RANDOM) % 2147483648 ))}
+if ! [[ $seed =~ ^[0-9]+$ ]] || (( 10#$seed > 2147483647 )); then
+  echo "scripts/test.sh: TEST_SEED='$seed'; allowed: a whole number from 0 to 2147483647" >&2
+  exit 2
+fi
+seed=$((10#$seed))
+echo "== test seed $seed (TEST_SEED=$seed bash scripts/test.sh, or pytest --test-seed $seed, repeats these inputs) =="
 bash scripts/setup.sh .venv
 bash scripts/setup.sh .venv-tf59 "transformers==5.9.0" .venv
 bash scripts/setup.sh .venv-tf52 "transformers==5.2.0" .venv
@@ -15,14 +24,14 @@ bash scripts/setup.sh .venv-tf514 "transformers==5.14.1" .venv
 
 older_transformers() {
   echo "== model, training and bench tests, transformers 5.9.0 (the multi-process peer runs only in the newest) =="
-  .venv-tf59/bin/python -m pytest -q -p no:cacheprovider --basetemp "$work/tf59" -m "not slow" \
+  .venv-tf59/bin/python -m pytest -q -p no:cacheprovider --test-seed "$seed" --basetemp "$work/tf59" -m "not slow" \
     tests/integrations tests/test_verify.py tests/test_auto.py tests/train tests/bench
   for venv in .venv-tf52 .venv-tf514; do
     echo "== packed batches and context parallelism, transformers $("$venv/bin/python" -c 'import transformers; print(transformers.__version__)') =="
     for model in tiny tiny-moe tiny-next; do
       "$venv/bin/python" -m deltafuse verify --model "$model" --packed
     done
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$work/$venv" \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider --test-seed "$seed" --basetemp "$work/$venv" \
       tests/integrations/test_packed.py tests/integrations/test_packing_route.py \
       tests/integrations/test_context_parallel.py
   done
@@ -32,7 +41,7 @@ kernel_tests=(tests/ops/test_conv1d_triton.py tests/ops/test_gdn_triton.py tests
               tests/ops/test_gdn_keep_states.py)
 newest_kernels() {
   echo "== interpreted kernel tests, newest transformers =="
-  .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$work/kernels" "${kernel_tests[@]}"
+  .venv/bin/python -m pytest -q -p no:cacheprovider --test-seed "$seed" --basetemp "$work/kernels" "${kernel_tests[@]}"
 }
 
 # each run its own pytest temporary directory (concurrent sessions must not clean up each other's)
@@ -44,7 +53,7 @@ older_pid=$!
 
 echo "== tests, newest transformers (the kernel tests of kernel_tests run beside it) =="
 newest_rc=0
-.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$work/newest" tests \
+.venv/bin/python -m pytest -q -p no:cacheprovider --test-seed "$seed" --basetemp "$work/newest" tests \
   "${kernel_tests[@]/#/--ignore=}" || newest_rc=$?
 older_rc=0
 wait "$older_pid" || older_rc=$?

@@ -23,6 +23,54 @@ else:
     _INDUCTOR_CACHE = None
 
 
+def _seed_arg(text: str) -> int:
+    import argparse
+
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed < 2**31:
+        raise argparse.ArgumentTypeError(f"{text!r}; allowed: a whole number from 0 to {2**31 - 1}")
+    return seed
+
+
+def pytest_addoption(parser):
+    parser.addoption("--test-seed", type=_seed_arg, default=None, metavar="N",
+                     help="base seed of the tests' random inputs (tests/helpers.py input_seed); default: a fresh one "
+                          "each run, printed in the header and beside every failure")
+
+
+def pytest_configure(config):
+    from tests import helpers
+
+    if config.option.test_seed is None:  # (pytest-xdist workers get the controller's, drawn here first)
+        config.option.test_seed = helpers.base_seed()
+    helpers.set_base_seed(config.option.test_seed)
+
+
+def pytest_report_header(config):
+    return f"test seed: {config.option.test_seed} (--test-seed {config.option.test_seed} repeats these inputs)"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        report.sections.append(("test seed", f"this test's inputs again: pytest --test-seed "
+                                             f"{item.config.option.test_seed} '{item.nodeid}'"))
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch(request):
+    """torch's global generator seeded per test from the run's base seed: draws without a generator of their own
+    (module initialisation, dropout) are fresh each run and repeat with ``--test-seed``."""
+    from tests.helpers import input_seed
+
+    torch.manual_seed(input_seed("torch global"))
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _INDUCTOR_CACHE is not None:
         import shutil

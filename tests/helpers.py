@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+import secrets
 import sys
 
 import pytest
@@ -11,6 +13,44 @@ import torch
 
 from deltafuse.backends.probes import triton_interpreting
 from deltafuse.backends.registry import CallInfo, Registry
+
+
+# --- random inputs ----------------------------------------------------------------------------------------------
+# Every test draws fresh random inputs each run, reproducibly: its seeds derive from one base seed per pytest run
+# (fresh unless ``--test-seed`` names it; tests/conftest.py sets it and prints it in the header and beside each
+# failure), the test's id and a salt that tells its draws apart, or the draw's turn where there is no salt. A rerun
+# with the same base and test gives the same inputs; the same salt twice in one test gives the same seed (two runs
+# that must see the same data).
+_BASE_SEED = secrets.randbelow(2**31)  # outside pytest (a worker script importing this module): fresh
+
+
+def set_base_seed(seed: int) -> None:
+    global _BASE_SEED
+    _BASE_SEED = seed
+
+
+def base_seed() -> int:
+    return _BASE_SEED
+
+
+_DRAWS: dict[str, int] = {}
+
+
+def input_seed(*salt) -> int:
+    """A seed in [0, 2**31) for the running test's random inputs, fresh each pytest run. With a ``salt`` (values
+    with a stable repr: ints, strings, tuples) the same for the same base seed, test and salt; without one, the
+    test's next seed in turn (each call another, the same sequence again for the same base seed and test)."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    if not salt:
+        _DRAWS[test] = _DRAWS.get(test, 0) + 1
+        salt = ("draw", _DRAWS[test])
+    digest = hashlib.blake2b(repr((_BASE_SEED, test, salt)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
+
+
+def input_gen(*salt, device: str | torch.device = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` seeded with ``input_seed(*salt)``."""
+    return torch.Generator(device=device).manual_seed(input_seed(*salt))
 
 
 # Where kernel tests run: the GPU when there is one, else the Triton interpreter on CPU (tests/conftest.py

@@ -14,7 +14,7 @@ from deltafuse.backends import REGISTRY, BackendError, CallInfo, Candidate
 from deltafuse.ops import _checks
 from deltafuse.ops.gated_delta.candidates import CHUNK
 from deltafuse.ops.swiglu.candidates import SWIGLU
-from tests.helpers import assert_rel_close
+from tests.helpers import assert_rel_close, input_gen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +41,7 @@ def probe():
 
 
 def _pair(*shape, dtype=torch.float32, grad=False):
-    gen = torch.Generator().manual_seed(sum(shape))
+    gen = input_gen(sum(shape))
     a = torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_(grad)
     b = torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_(grad)
     return a, b
@@ -145,7 +145,7 @@ def test_dtype_and_grad_are_part_of_the_cached_decision():
 
 
 def _gdn_inputs(K, V=8, T=3):
-    gen = torch.Generator().manual_seed(K + V + T)
+    gen = input_gen(K + V + T)
     q = torch.randn(1, T, 1, K, generator=gen)
     k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=gen), dim=-1)
     v = torch.randn(1, T, 2, V, generator=gen)
@@ -227,7 +227,7 @@ def test_environ_read_with_a_plain_mapping_in_place_of_os_environ(monkeypatch):
 
 
 def test_conv_update_eager_writes_the_state_in_place_as_the_custom_op():
-    gen = torch.Generator().manual_seed(5)
+    gen = input_gen(5)
     x, w, b = torch.randn(2, 6, 1, generator=gen), torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
     state = torch.randn(2, 6, 3, generator=gen)
     s1, s2 = state.clone(), state.clone()

@@ -10,6 +10,7 @@ import torch
 
 from deltafuse import patching
 from deltafuse.maps import PATCHER
+from tests.helpers import input_seed
 
 
 class SupportedLayer(torch.nn.Linear):
@@ -41,7 +42,7 @@ def owns_supported_layer(monkeypatch):
 
 
 def _model():
-    torch.manual_seed(0)
+    torch.manual_seed(input_seed(0))
     return torch.nn.Sequential(torch.nn.Linear(4, 4), SupportedLayer(4, 4))
 
 

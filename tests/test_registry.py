@@ -5,6 +5,7 @@ from deltafuse import backends
 from deltafuse.ops.gated_delta import candidates as gd
 from deltafuse.backends import probes
 from deltafuse.backends.registry import BackendError, CallInfo, Candidate, Registry
+from tests.helpers import input_gen
 
 CPU = torch.device("cpu")
 
@@ -362,7 +363,7 @@ def test_public_gdn_op_forced_triton_with_a_too_large_head_is_one_line(name):
 
     if not probes.triton_interpreting():
         pytest.skip("CPU tensors reach the Triton candidate only under TRITON_INTERPRET=1")
-    gen = torch.Generator().manual_seed(7)
+    gen = input_gen(7)
     B, T, H, HV, K, V = 1, 3, 1, 2, 320, 4
     q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
     v = torch.randn(B, T, HV, V, generator=gen)

@@ -14,6 +14,7 @@ from deltafuse.cli import main
 from deltafuse.integrations.transformers import adapters
 from deltafuse.maps import PATCHER
 from deltafuse.models import TINY_NAMES, build_model
+from tests.helpers import input_gen, input_seed
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
@@ -205,7 +206,7 @@ class ToyTopKRouter(torch.nn.Module):
 
 
 def _route_twice(pin):
-    torch.manual_seed(0)
+    torch.manual_seed(input_seed(0))
     model = torch.nn.Sequential(ToyTopKRouter())
     x = torch.randn(7, 5)
     routing = verify._Routing(model, pin=pin)
@@ -485,11 +486,11 @@ def test_stock_torch_baseline_equals_stock_without_fla(name, monkeypatch):
 
     model, clean = build_model(name, seed=3), build_model(name, seed=3)
     for p in model.parameters():  # fresh random weights, also where init is constant (norms, biases)
-        p.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(p.numel()))
+        p.data.normal_(0, 0.02, generator=input_gen(p.numel()))
     with torch.no_grad():
         for p, q in zip(model.parameters(), clean.parameters()):
             q.copy_(p)
-    ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=input_gen(7))
     # stock with no FLA / causal-conv1d installed (what this machine has): the reference
     ref = clean(input_ids=ids, labels=ids, use_cache=False)
     ref.loss.backward()

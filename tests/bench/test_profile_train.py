@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deltafuse.backends import REGISTRY
+from tests.helpers import input_gen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,7 +49,7 @@ def test_forcing_serves_the_op_by_the_named_candidate_and_leaves_explicit_backen
         return original(op, backend, needs_grad, tensors)
 
     monkeypatch.setattr(REGISTRY, "select_tensors", spy)
-    gen = torch.Generator().manual_seed(3)
+    gen = input_gen(3)
     x, w = torch.randn(4, 8, generator=gen), torch.rand(4, 2, generator=gen)
     idx = torch.randint(0, 3, (4, 2), generator=gen)
     gu, dn = torch.randn(3, 8, 8, generator=gen), torch.randn(3, 8, 4, generator=gen)

@@ -20,7 +20,7 @@ from deltafuse.backends.registry import CallInfo, Registry
 from deltafuse.integrations.transformers import adapters_fused
 from deltafuse.ops.attention import npu as attention_npu
 from deltafuse.ops.attention import stock_attention
-from tests.helpers import npu_device
+from tests.helpers import input_gen, npu_device
 
 
 def _fake_torch_npu(calls):
@@ -50,7 +50,7 @@ def _fake_torch_npu(calls):
 
 
 def _qkv(B, Hq, Hk, T, S, D=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = input_gen(seed)
     q = torch.randn(B, Hq, T, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, Hk, S, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, Hk, S, D, generator=g, dtype=torch.float64)

@@ -20,7 +20,7 @@ from deltafuse.models import build_config, build_model
 from deltafuse.ops.cross_entropy.naive import naive_linear_cross_entropy
 from deltafuse.ops.moe.naive import naive_moe_experts
 from deltafuse.ops.norm.naive import naive_rms_norm_gated, naive_rms_norm_zero_centered
-from tests.helpers import INTERPRETED, gpu, needs_cuda
+from tests.helpers import INTERPRETED, gpu, input_gen, needs_cuda
 from tests.integrations import assert_grads_close, count_op_calls, grads
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -87,7 +87,7 @@ def test_gpu_fp32_weights_under_cuda_autocast_train_like_stock(name, dtype, spy)
 def _autocast_vs_stock(name, dtype, spy, device):
     model = build_model(name, seed=0, device=device, **SMALL, **_every_expert(name)).train()
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    gen = torch.Generator().manual_seed(1)
+    gen = input_gen(1)
     ids = torch.randint(0, 97, (2, 13), generator=gen).to(device)
     labels = ids.clone()
     labels[0, :3] = -100
@@ -130,10 +130,12 @@ def _autocast_vs_stock(name, dtype, spy, device):
         # the per-head decay parameters (A_log, dt_bias) sum cancelling terms over every token: under 16-bit
         # autocast both sides' error swings with the seed (CPU fp16, tiny-moe, seeds 0-5: stock 1.3e-4 - 1.0e-2,
         # deltafuse 9e-5 - 9e-3, either side the larger; this test's fp16 case on transformers 5.9: 3.7e-2 against
-        # stock's 8.7e-3), so each is bounded by the 16-bit GDN tolerance, and all gradients together tightly below
+        # stock's 8.7e-3; fresh draws, fp16 tiny-moe: 7.2e-2 against stock's 5.3e-2, 0.12 between them), so each is
+        # bounded against fp32 by the 16-bit GDN tolerance or stock's own error, not by its distance to stock (up to
+        # the sum of the two errors), and all gradients together tightly below
         decay = 5e-2 if n.endswith(("A_log", "dt_bias")) else 0.0
         if not (mine <= max(1.5 * theirs + 3 * eps, floor, decay)
-                and between <= max(8 * eps, 1.5 * theirs, floor, decay)):
+                and (decay or between <= max(8 * eps, 1.5 * theirs, floor))):
             bad.append(f"{n}: vs fp32 {mine:.2e} (stock {theirs:.2e}), vs stock {between:.2e}")
     assert not bad, "gradients under autocast:\n" + "\n".join(bad)
     names = [n for n, r in ref.items() if r is not None and torch.isfinite(stock[n]).all()]
@@ -144,7 +146,7 @@ def _autocast_vs_stock(name, dtype, spy, device):
 
 # --- ops under autocast ------------------------------------------------------------------------------
 def _rand(*shape, seed, scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     return (torch.randn(*shape, generator=gen) * scale).requires_grad_()
 
 
@@ -155,7 +157,7 @@ def test_fused_loss_under_autocast_is_the_loss_of_the_autocast_inputs(dtype):
     (CPU autocast: the Triton interpreter emulates fp32 only, so the torch backend.)"""
     backend = "torch"
     hidden, weight, bias = _rand(2, 7, 16, seed=1), _rand(37, 16, seed=2, scale=0.25), _rand(37, seed=3)
-    labels = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(4))
+    labels = torch.randint(0, 37, (2, 7), generator=input_gen(4))
     labels[1, 3] = -100
     with torch.autocast("cpu", dtype=dtype):
         loss = ops.fused_linear_cross_entropy(hidden, weight, labels, bias=bias, backend=backend, chunk_size=4)
@@ -175,7 +177,7 @@ def test_fused_loss_under_autocast_is_the_loss_of_the_autocast_inputs(dtype):
 
 def test_fused_loss_refuses_mixed_dtypes_without_autocast_and_keeps_float64_under_it():
     hidden, weight = _rand(1, 5, 8, seed=5), _rand(11, 8, seed=6)
-    labels = torch.randint(0, 11, (1, 5), generator=torch.Generator().manual_seed(7))
+    labels = torch.randint(0, 11, (1, 5), generator=input_gen(7))
     with pytest.raises(ValueError, match=r"fused_linear_cross_entropy: weight has dtype torch.bfloat16 but "
                                          r"hidden has torch.float32; they must match"):
         ops.fused_linear_cross_entropy(hidden, weight.detach().bfloat16(), labels)
@@ -198,7 +200,7 @@ def _same_under_autocast(fn, inputs, oracle=None, tol=None, backward_inside=True
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             out = fn(*leaves)
             outs = out if isinstance(out, tuple) else (out,)
-            gen = torch.Generator().manual_seed(99)
+            gen = input_gen(99)
             cot = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
             if inside:
                 torch.autograd.backward(outs, cot)
@@ -239,7 +241,7 @@ def test_elementwise_ops_ignore_autocast(backend):
                          lambda g, u: torch.nn.functional.silu(g) * u, 1e-2)
     q = _rand(1, 2, 5, 8, seed=14).detach().to(act).requires_grad_()
     k = _rand(1, 2, 5, 8, seed=15).detach().to(act).requires_grad_()
-    ang = torch.rand(1, 5, 2, generator=torch.Generator().manual_seed(16)) * 3
+    ang = torch.rand(1, 5, 2, generator=input_gen(16)) * 3
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
     _same_under_autocast(lambda a, b: ops.apply_rotary_pos_emb(a, b, cos, sin, backend=backend), (q, k))
 
@@ -253,7 +255,7 @@ def test_conv1d_and_experts_ignore_autocast():
                          (x, w, b))
     n, h, inter, e, k = 6, 8, 4, 3, 2
     hidden = _rand(n, h, seed=23)
-    index = torch.randint(0, e, (n, k), generator=torch.Generator().manual_seed(24))
+    index = torch.randint(0, e, (n, k), generator=input_gen(24))
     weights = _rand(n, k, seed=25).detach().softmax(-1).requires_grad_()
     gate_up, down = _rand(e, 2 * inter, h, seed=26, scale=0.3), _rand(e, h, inter, seed=27, scale=0.3)
     _same_under_autocast(lambda a, wt, g, d: ops.moe_experts(a, index, wt, g, d), (hidden, weights, gate_up, down),
@@ -268,8 +270,8 @@ def test_gated_delta_rule_ignores_autocast():
     q = _rand(B, T, H, D, seed=30).detach().bfloat16().requires_grad_()
     k = torch.nn.functional.normalize(_rand(B, T, H, D, seed=31).detach(), dim=-1).bfloat16().requires_grad_()
     v = _rand(B, T, H, D, seed=32).detach().bfloat16().requires_grad_()
-    g = (-torch.rand(B, T, H, generator=torch.Generator().manual_seed(33))).requires_grad_()
-    beta = torch.rand(B, T, H, generator=torch.Generator().manual_seed(34)).bfloat16().requires_grad_()
+    g = (-torch.rand(B, T, H, generator=input_gen(33))).requires_grad_()
+    beta = torch.rand(B, T, H, generator=input_gen(34)).bfloat16().requires_grad_()
     _same_under_autocast(lambda *a: ops.chunk_gated_delta_rule(*a, backend="torch")[0], (q, k, v, g, beta),
                          backward_inside=False)
 

@@ -17,13 +17,14 @@ from deltafuse.integrations.transformers import adapters
 from deltafuse.integrations.transformers import boundaries as bd
 from deltafuse.integrations.transformers import packing as pk
 from deltafuse.models import TINY_NAMES, build_model
+from tests.helpers import input_gen, input_seed
 
 OURS = os.path.dirname(deltafuse.__file__) + os.sep
 T = 12
 
 
 def _inputs(model, packed, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = input_gen(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, T), generator=g)
     if not packed:
         return ids, None
@@ -61,7 +62,7 @@ def _assert_equal(got, want):
                                   for i, n in enumerate(TINY_NAMES)])
 def test_compiled_patched_model_breaks_no_graph_and_equals_eager(name, packed):
     seed = int(torch.randint(0, 2**31, (1,)))
-    torch.manual_seed(seed)
+    torch.manual_seed(input_seed(seed))
     model = build_model(name, seed=seed)
     ids, pos = _inputs(model, packed, seed)
     stock_breaks, _ = _breaks(model, ids, pos)
@@ -198,7 +199,7 @@ def _export_as_stock_does(model, kwargs):
 
 
 def _mask_inputs(model, seed, mrope):
-    g = torch.Generator().manual_seed(seed)
+    g = input_gen(seed)
     ids = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
     mask = torch.ones(2, T, dtype=torch.long)
     mask[1, :int(torch.randint(1, T // 2, (1,), generator=g))] = 0  # a left-padded row

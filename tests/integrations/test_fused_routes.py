@@ -17,6 +17,7 @@ from deltafuse.integrations.transformers import adapters_fused as af
 from deltafuse.integrations.transformers import adapters_loss as al
 from deltafuse.integrations.transformers.patcher import FamilyMap, Patcher, Route
 from deltafuse.models import TINY_NAMES, build_model
+from tests.helpers import input_gen, input_seed
 from tests.integrations import (RTOL, assert_grads_close, count_op_calls, family_modules, grads, packed_inputs,
                                 per_sequence_stock, rel_max)
 
@@ -38,7 +39,7 @@ def _is_moe(model) -> bool:
 
 
 def _batch(model, B=2, T=13, seed=1):
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     ids = torch.randint(0, model.config.vocab_size, (B, T), generator=gen)
     labels = ids.clone()
     labels[0, :3] = -100
@@ -114,7 +115,7 @@ def test_switch_equals_stock_loss_logits_and_every_gradient(name, switch, spy):
 @pytest.mark.parametrize("name", NAMES)
 def test_packed_batch_equals_per_sequence_stock_with_everything_on(name, spy):
     model = _model(name, seed=2)
-    gen = torch.Generator().manual_seed(3)
+    gen = input_gen(3)
     rows = [[torch.randint(0, 97, (n,), generator=gen) for n in row] for row in ([9, 1, 14], [5, 19])]
     model.zero_grad(set_to_none=True)
     ref_loss, ref_logits = per_sequence_stock(model, rows)
@@ -290,7 +291,7 @@ def test_peft_lora_on_head_modules_and_experts(dropout, spy):
     kwargs = _batch(model.get_base_model())
 
     def step():
-        torch.manual_seed(8)  # the same dropout masks in both runs
+        torch.manual_seed(input_seed(8))  # the same dropout masks in both runs
         model.zero_grad(set_to_none=True)
         out = model(**kwargs)
         out.loss.backward()

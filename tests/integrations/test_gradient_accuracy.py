@@ -19,7 +19,7 @@ import torch
 from deltafuse import patching
 from deltafuse.models import build_model
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule
-from tests.helpers import Float64Everywhere
+from tests.helpers import Float64Everywhere, input_seed
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
@@ -43,7 +43,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _errors(name: str, seed: int):
-    torch.manual_seed(seed)
+    torch.manual_seed(input_seed(seed))
     model = build_model(name, seed=seed)
     model.config._experts_implementation = "eager"
     oracle = copy.deepcopy(model).double()
@@ -75,7 +75,7 @@ def test_a_double_copy_is_not_float64():
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     fallback = modeling_qwen3_5.torch_chunk_gated_delta_rule  # stock's (nothing is patched here)
-    torch.manual_seed(3)
+    torch.manual_seed(input_seed(3))
     B, H, D = 1, 2, 16
     q, k, v = (torch.randn(B, 96, H, D, dtype=torch.float64) for _ in range(3))
     g = -torch.rand(B, 96, H, dtype=torch.float64) * 3

@@ -10,6 +10,7 @@ import deltafuse.ops
 from deltafuse import patching
 from deltafuse.integrations.transformers import adapters_loss as al
 from deltafuse.models import TINY_NAMES, build_model
+from tests.helpers import input_gen
 from tests.integrations import RTOL, assert_grads_close, grads, rel_max
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -35,7 +36,7 @@ def _setup(name, seed=0):
     """A model and a batch whose labels are the stock model's own argmax on about half the positions, so the
     token accuracy is far from 0 and 1."""
     model = build_model(name, seed=seed, **SMALL).train()
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = input_gen(seed + 1)
     ids = torch.randint(0, 97, (2, 13), generator=gen)
     with torch.no_grad():
         pred = model(input_ids=ids, use_cache=False).logits.argmax(-1)

@@ -18,6 +18,7 @@ from deltafuse.integrations.transformers import adapters
 from deltafuse.integrations.transformers import boundaries as bd
 from deltafuse.models import TINY_NAMES, build_model
 from deltafuse.ops import causal_conv1d_fn, chunk_gated_delta_rule
+from tests.helpers import input_gen, input_seed
 from tests.integrations import (RTOL, assert_grads_close, grads, packed_inputs, per_sequence_stock, rel_max,
                                 record_op_kwarg)
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
 
 def _rows(lengths_per_row, vocab, seed):
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     return [[torch.randint(0, vocab, (n,), generator=gen) for n in row] for row in lengths_per_row]
 
 
@@ -201,7 +202,7 @@ def test_padding_mask_keeps_position_ids_as_positions():
     batch restarts its positions after the padding), each row one sequence, padded tokens masked as in stock;
     a multimodal [3, B, T] whose rows differ is no boundary signal either."""
     model = build_model("tiny", seed=25).eval()
-    gen = torch.Generator().manual_seed(26)
+    gen = input_gen(26)
     ids = torch.randint(0, model.config.vocab_size, (2, 14), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
@@ -287,7 +288,7 @@ def test_packing_from_cu_seqlens_and_seq_idx_agree():
 
 def test_chunk_adapter_flattens_rows_and_maps_states():
     """B=2 rows with restarts, an initial state per row: equals the op on each sequence alone."""
-    torch.manual_seed(0)
+    torch.manual_seed(input_seed(0))
     B, T, H, HV, K, V = 2, 9, 2, 4, 8, 8
     q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
     v = torch.randn(B, T, HV, V)
@@ -312,7 +313,7 @@ def test_chunk_adapter_flattens_rows_and_maps_states():
 
 
 def test_conv_adapter_boundaries_and_cached_prefix():
-    torch.manual_seed(1)
+    torch.manual_seed(input_seed(1))
     B, C, T, W = 2, 6, 8, 4
     x = torch.randn(B, C, T)
     w = torch.randn(C, W)

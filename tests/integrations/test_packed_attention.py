@@ -15,7 +15,7 @@ from deltafuse.integrations.transformers import adapters, adapters_fused
 from deltafuse.integrations.transformers import packing as pk
 from deltafuse.models import TINY_NAMES
 from deltafuse.ops.attention import packed as packed_ops
-from tests.helpers import gpu, needs_cuda
+from tests.helpers import gpu, input_gen, needs_cuda
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
@@ -37,7 +37,7 @@ def _dense_block_causal(q, k, v, offsets, scaling):
 
 @pytest.mark.parametrize("Hq,Hk", [(4, 4), (4, 2), (6, 1)])
 def test_by_sequence_equals_dense_block_causal(Hq, Hk):
-    g = torch.Generator().manual_seed(Hq * 10 + Hk)
+    g = input_gen(Hq * 10 + Hk)
     B, T, D = 2, 37, 8
     offsets = (0, 5, 6, 20, 37, 38, 60, 74)  # row 0: 5, 1, 14, 17; row 1: 1, 22, 14 (length-1 sequences)
     q = torch.randn(B, Hq, T, D, generator=g, dtype=torch.float64, requires_grad=True)
@@ -146,7 +146,7 @@ def test_varlen_route_equals_dense_block_causal(monkeypatch, style, takes_scale,
     monkeypatch.setattr(packed_ops, "varlen_api",
                         lambda: (_fake_varlen(style, calls), ("window_size", (-1, 0)) if style == "window"
                                  else ("is_causal", True), takes_scale, takes_gqa))
-    g = torch.Generator().manual_seed(Hq + Hk)
+    g = input_gen(Hq + Hk)
     B, T, D = 2, 37, 8
     offsets = (0, 5, 6, 20, 37, 38, 60, 74)
     q = torch.randn(B, Hq, T, D, generator=g, dtype=torch.float64, requires_grad=True)
@@ -243,7 +243,7 @@ def test_gpu_bf16_routes_equal_float64_dense(impl):
     1 to 700 tokens, bf16, forward and backward against the dense block-causal reference in float64;
     ``varlen-padded``: the offsets only on the device, 7 empty sequences after the real ones and the row's length
     as the longest (a captured CUDA graph's form)."""
-    g = torch.Generator().manual_seed(31)
+    g = input_gen(31)
     lengths = [1, 700, 64, 333, 2, 1000, 129, 517, 1350]
     offsets = [0]
     for n in lengths:

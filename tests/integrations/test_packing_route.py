@@ -16,6 +16,7 @@ from deltafuse import ops
 from deltafuse.integrations.transformers import adapters
 from deltafuse.integrations.transformers import boundaries as bd
 from deltafuse.integrations.transformers import packing as pk
+from tests.helpers import input_gen
 from tests.integrations import record_op_kwarg, rel_max
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -29,7 +30,7 @@ class OldGDN(torch.nn.Module):
 
     def __init__(self, call_conv=True):
         super().__init__()
-        gen = torch.Generator().manual_seed(0)
+        gen = input_gen(0)
         self.conv_w = torch.nn.Parameter(torch.randn(3 * C, W, generator=gen) / W)
         self.g_w = torch.nn.Parameter(torch.randn(C, H, generator=gen) / C)
         self.call_conv = call_conv
@@ -72,7 +73,7 @@ def _packing():
 
 
 def _hidden(seed):
-    return torch.randn(B, T, 3 * C, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    return torch.randn(B, T, 3 * C, generator=input_gen(seed), requires_grad=True)
 
 
 def _no_state_left():
@@ -87,7 +88,7 @@ def test_boundaries_reach_the_ops_of_an_old_design_layer(wrapped):
     x = _hidden(1)
     out = layer(x, **{pk.PACKING_KWARG: packing})
     assert _no_state_left()
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    upstream = torch.randn(out.shape, generator=input_gen(2))
     (dx,) = torch.autograd.grad(out, x, upstream)
     ref = torch.zeros_like(out)
     ref_dx = torch.zeros_like(x)
@@ -199,7 +200,7 @@ def test_moe_experts_output_may_be_modified_in_place():
     from deltafuse.ops.moe import reference
     from deltafuse.ops.moe.naive import naive_moe_experts
 
-    gen = torch.Generator().manual_seed(7)
+    gen = input_gen(7)
     N, Hd, I, E, k = 9, 8, 6, 4, 2
     idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
     leaves = [t.requires_grad_() for t in (torch.randn(N, Hd, generator=gen), torch.rand(N, k, generator=gen),

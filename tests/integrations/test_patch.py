@@ -15,6 +15,7 @@ from deltafuse.integrations.transformers import adapters
 from deltafuse.maps import FAMILY_MAPS, PATCHER
 from deltafuse.integrations.transformers import boundaries as bd
 from deltafuse.models import TINY_NAMES, build_model
+from tests.helpers import input_gen, input_seed
 from tests.integrations import (RTOL, assert_same_objects, family_modules, grads, packed_inputs, rel_max,
                                 snapshot)
 
@@ -578,7 +579,7 @@ def test_stock_fallback_is_unreachable_once_applied(monkeypatch):
 
 def test_generation_matches_stock_and_uses_the_decode_ops(monkeypatch):
     model = build_model("tiny", seed=1).eval()
-    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=input_gen(2))
     kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)
@@ -610,7 +611,7 @@ def test_cached_multi_token_continuation():
                     "conv state (its GDN forward passes initial_state=None), stock and patched alike")
 
     model = build_model("tiny", seed=3).eval()
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=input_gen(4))
     cache_kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
     def run():
@@ -633,7 +634,7 @@ def test_cached_multi_token_continuation():
 
 def test_both_qk_layouts_give_the_same_result():
     """Up to transformers 5.22 q/k arrive repeated to the HV value heads, from 5.23 with H heads."""
-    torch.manual_seed(3)
+    torch.manual_seed(input_seed(3))
     B, T, H, HV, K, V = 1, 12, 2, 4, 8, 8
     q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
     v, g, beta = torch.randn(B, T, HV, V), -torch.rand(B, T, HV), torch.rand(B, T, HV)

@@ -11,6 +11,7 @@ peft = pytest.importorskip("peft")
 
 from deltafuse.integrations.peft import lora_plan, wrap_lora_linear_forward  # noqa: E402
 from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
+from tests.helpers import input_gen, input_seed  # noqa: E402
 
 ORIGINAL = LoraLinear.forward
 if hasattr(ORIGINAL, "__deltafuse_wraps__"):
@@ -19,7 +20,7 @@ LEAN = wrap_lora_linear_forward(ORIGINAL)
 
 
 def _layer(r=4, alpha=8, dropout=0.0, fin=24, fout=40, dtype=torch.bfloat16, adapters=("default",), seed=0):
-    torch.manual_seed(seed)
+    torch.manual_seed(input_seed(seed))
     base = torch.nn.Linear(fin, fout, bias=False).to(dtype)
     net = torch.nn.Sequential(base)
     cfg = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=["0"], init_lora_weights=False)
@@ -38,7 +39,7 @@ def _run(forward, layer, x, amp_dtype):
     xl = x.detach().clone().requires_grad_()
     with torch.autocast("cpu", dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
         out = forward(layer, xl)
-    gen = torch.Generator().manual_seed(5)
+    gen = input_gen(5)
     out.backward(torch.randn(out.shape, generator=gen).to(out.dtype))
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     return out.detach(), xl.grad, grads
@@ -129,7 +130,7 @@ def test_tiny_moe_lora_step_under_autocast(monkeypatch):
     model = build_model("tiny-moe", dtype=torch.bfloat16)
     model = add_lora(model, r=16, alpha=32, dropout=0.0, targets=lora_targets(model, None, False), experts=False)
     model.train()
-    gen = torch.Generator().manual_seed(3)
+    gen = input_gen(3)
     with torch.no_grad():  # PEFT starts B at zero (A's gradients would be zero): random B, every gradient non-zero
         for name, p in model.named_parameters():
             if "lora_B" in name:

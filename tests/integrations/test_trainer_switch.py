@@ -15,6 +15,7 @@ from deltafuse import ops, patching
 from deltafuse.maps import PATCHER
 from deltafuse.integrations.trainer import DeltafuseCallback
 from deltafuse.models import build_model
+from tests.helpers import input_gen, input_seed
 from tests.integrations import RTOL, assert_grads_close, assert_same_objects, snapshot
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -85,7 +86,7 @@ class Rows(torch.utils.data.Dataset):
     """Random token rows of one length (no padding), labels = inputs."""
 
     def __init__(self, n, length, vocab, seed):
-        gen = torch.Generator().manual_seed(seed)
+        gen = input_gen(seed)
         self.ids = torch.randint(0, vocab, (n, length), generator=gen)
 
     def __len__(self):

@@ -13,6 +13,7 @@ import deltafuse
 from deltafuse import ops
 from deltafuse.integrations import trl as trl_integration
 from deltafuse.models import build_model
+from tests.helpers import input_gen, input_seed
 from tests.integrations import assert_grads_close, grads, rel_max
 
 trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installed")
@@ -34,7 +35,7 @@ def spy(monkeypatch):
 
 
 def _batch(vocab, seed):
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     ids = torch.randint(0, vocab, (2, 12), generator=gen)
     labels = ids.clone()
     labels[0, :4] = -100  # a prompt
@@ -55,7 +56,7 @@ def _run(model, ids, labels, weights, ent_weights):
 @pytest.mark.parametrize("frozen_head", [False, True], ids=["trainable_head", "frozen_head"])
 def test_tiny_model_matches_trl_and_calls_deltafuse(spy, frozen_head):
     """A frozen head (LoRA) is served by ops.token_logprobs; a trainable one by TRL's function (faster there)."""
-    torch.manual_seed(0)
+    torch.manual_seed(input_seed(0))
     model = build_model("tiny")
     model.lm_head.weight.requires_grad_(not frozen_head)
     trl_utils.add_fused_lm_head(model, outputs=FIELDS)
@@ -111,7 +112,7 @@ def test_trl_not_imported_is_not_imported_by_apply(monkeypatch):
      "a dtype other than fp32, fp16, bf16"),
 ])
 def test_calls_deltafuse_cannot_serve_go_to_trl(spy, kwargs, reason):
-    gen = torch.Generator().manual_seed(2)
+    gen = input_gen(2)
     args = dict(hidden=torch.randn(6, 8, generator=gen, requires_grad=True), weight=torch.randn(29, 8, generator=gen),
                 bias=None, targets=torch.randint(0, 29, (6,), generator=gen), temperature=0.9, chunk_size=16,
                 final_logit_softcapping=None, logit_scale=1.0, outputs=FIELDS)
@@ -129,7 +130,7 @@ def test_calls_deltafuse_cannot_serve_go_to_trl(spy, kwargs, reason):
 
 
 def test_served_call_returns_trls_tuple(spy):
-    gen = torch.Generator().manual_seed(3)
+    gen = input_gen(3)
     hidden = torch.randn(6, 8, generator=gen, requires_grad=True)
     weight = torch.randn(29, 8, generator=gen)
     bias = torch.randn(29, generator=gen)

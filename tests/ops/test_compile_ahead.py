@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltafuse.ops._compile_ahead import compile_ahead
-from tests.helpers import DEVICE, INTERPRETED, gpu, needs_cuda
+from tests.helpers import DEVICE, INTERPRETED, gpu, input_gen, needs_cuda
 
 
 @pytest.mark.parametrize("workers", [0, -1, 1.5, True, "4"])
@@ -46,7 +46,7 @@ def _step(seed: int):
     backward, on fresh random bf16 inputs; returns the outputs and every input gradient."""
     import deltafuse.ops as ops
 
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    g = input_gen(seed, device=DEVICE)
     dt = torch.bfloat16
 
     def rand(*shape, scale=1.0):

@@ -7,7 +7,7 @@ import torch
 
 from deltafuse.ops.conv1d.naive import naive_causal_conv1d
 from deltafuse.ops.conv1d.reference import causal_conv1d_fn_torch, causal_conv1d_update_torch
-from tests.helpers import assert_rel_close
+from tests.helpers import assert_rel_close, input_gen
 
 # observed worst errors: fp32 ~3e-7, fp64 ~1e-15
 TOL = {torch.float32: 2e-6, torch.float64: 1e-13}
@@ -29,7 +29,7 @@ def seq_idx_from_lengths(lengths):
 
 
 def check_against_oracle(B, C, T, W, dtype, *, bias, activation, init, final, seq_idx=None, cu=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     x = rnd(B, C, T, dtype=dtype, gen=gen)
     weight = rnd(C, W, dtype=dtype, gen=gen)
     b = rnd(C, dtype=dtype, gen=gen) if bias else None
@@ -94,7 +94,7 @@ def test_no_boundary_path_is_transformers_stock():
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn as stock
 
     stock = getattr(stock, "__wrapped__", stock)
-    gen = torch.Generator().manual_seed(4)
+    gen = input_gen(4)
     for x_dtype, w_dtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                              (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]:
         x = rnd(2, 8, 37, dtype=x_dtype, gen=gen)
@@ -111,7 +111,7 @@ def test_no_boundary_path_is_transformers_stock():
 def test_packed_equals_separate_runs(dtype):
     lengths = [1, 4, 1, 20, 2, 1, 9]
     cu = cu_from_lengths(lengths)
-    gen = torch.Generator().manual_seed(6)
+    gen = input_gen(6)
     x = rnd(1, 6, sum(lengths), dtype=dtype, gen=gen)
     weight = rnd(6, 4, dtype=dtype, gen=gen)
     bias = rnd(6, dtype=dtype, gen=gen)
@@ -140,7 +140,7 @@ def test_packed_equals_separate_runs(dtype):
 @pytest.mark.parametrize("T", [1, 2, 3, 10])
 def test_final_states_continue_the_sequence(T):
     """conv(x1) then conv(x2, initial_states=final(x1)) equals conv(x1 ++ x2); T < W-1 exercises padding."""
-    gen = torch.Generator().manual_seed(T)
+    gen = input_gen(T)
     x = rnd(2, 5, T + 7, gen=gen)
     weight, bias = rnd(5, 4, gen=gen), rnd(5, gen=gen)
     full = causal_conv1d_fn_torch(x, weight, bias, "silu")
@@ -154,7 +154,7 @@ def test_final_states_continue_the_sequence(T):
 
 
 def test_final_states_out_is_written_and_returned():
-    gen = torch.Generator().manual_seed(2)
+    gen = input_gen(2)
     x = rnd(1, 3, 6, dtype=torch.float32, gen=gen)
     weight = rnd(3, 4, dtype=torch.float32, gen=gen)
     buf = torch.full((1, 3, 3), float("nan"))
@@ -179,7 +179,7 @@ def test_update_matches_transformers_stock(S, T_new, x_dtype, w_dtype, s_dtype):
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update as stock
 
     stock = getattr(stock, "__wrapped__", stock)
-    gen = torch.Generator().manual_seed(S * 10 + T_new)
+    gen = input_gen(S * 10 + T_new)
     C, W = 6, 4
     weight, bias = rnd(C, W, dtype=w_dtype, gen=gen), rnd(C, dtype=w_dtype, gen=gen)
     state_ours = rnd(2, C, S, dtype=s_dtype, gen=gen)
@@ -197,7 +197,7 @@ def test_update_matches_transformers_stock(S, T_new, x_dtype, w_dtype, s_dtype):
 @pytest.mark.parametrize("W,S", [(4, 3), (4, 7), (2, 1), (1, 2)])
 def test_update_steps_equal_full_conv(dtype, W, S):
     """Decoding token by token (and in blocks of 2) equals one conv over the whole input."""
-    gen = torch.Generator().manual_seed(W * S)
+    gen = input_gen(W * S)
     B, C, T = 2, 5, 9
     x = rnd(B, C, T, dtype=dtype, gen=gen)
     weight, bias = rnd(C, W, dtype=dtype, gen=gen), rnd(C, dtype=dtype, gen=gen)

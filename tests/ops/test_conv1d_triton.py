@@ -17,7 +17,7 @@ from deltafuse.ops.conv1d.kernel import ConvOptions, causal_conv1d_fn_triton, co
 from deltafuse.ops.conv1d.kernel_update import causal_conv1d_update_triton  # noqa: E402
 from deltafuse.ops.conv1d.naive import naive_causal_conv1d  # noqa: E402
 from deltafuse.ops.conv1d.reference import causal_conv1d_fn_torch, causal_conv1d_update_torch  # noqa: E402
-from tests.helpers import DEVICE, assert_rel_close, gpu, needs_cuda, rel_rms  # noqa: E402
+from tests.helpers import DEVICE, assert_rel_close, gpu, input_gen, needs_cuda, rel_rms  # noqa: E402
 
 if DEVICE == "cpu" and not isinstance(kernel_fwd_bwd.conv_fwd_kernel, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
@@ -44,7 +44,7 @@ def _run(fn, inputs, cast, kwargs, final, dout, dfin):
 
 def check(B, C, T, W, *, bias=True, init=True, final=True, act="silu", seq_idx=None, cu=None, layout_btc=True,
           seed=0, tol=2e-6):
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     inputs = _inputs(B, C, T, W, bias=bias, init=init, layout_btc=layout_btc, gen=gen)
     dout = torch.randn(B, C, T, generator=gen, dtype=torch.float64).to(DEVICE)
     dfin = torch.randn(B, C, W - 1, generator=gen, dtype=torch.float64).to(DEVICE)
@@ -88,7 +88,7 @@ def test_seq_idx_per_row():
 
 
 def test_matches_torch_reference_through_the_same_contract():
-    gen = torch.Generator().manual_seed(3)
+    gen = input_gen(3)
     x, w, b, h0 = _inputs(1, 7, 12, 4, bias=True, init=True, layout_btc=True, gen=gen)
     cu = torch.tensor([0, 5, 6, 12], dtype=torch.int32, device=DEVICE)
     out_buf = torch.empty(1, 7, 3, device=DEVICE)
@@ -104,7 +104,7 @@ def test_matches_torch_reference_through_the_same_contract():
 @pytest.mark.parametrize("T,packed", [(4096, False), (4096, True), (1, False)])
 def test_gpu_bf16_qwen35_moe_width(T, packed):
     C, W = 8192, 4
-    gen = torch.Generator().manual_seed(0)
+    gen = input_gen(0)
     x = torch.randn(1, T, C, generator=gen).transpose(1, 2).to(DEVICE, torch.bfloat16)
     w = (torch.randn(C, W, generator=gen) * 0.5).to(DEVICE, torch.bfloat16)
     cu = None
@@ -138,7 +138,7 @@ def test_random_configurations_match_torch_reference():
 
     seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     for _ in range(8):
         B, C, T, W = rng.randint(1, 3), rng.randint(1, 70), rng.choice([1, rng.randint(2, 40)]), rng.randint(1, 4)
         mode = rng.choice(["none", "seq", "cu"])
@@ -200,7 +200,7 @@ def test_every_option_with_resets_across_block_edges(opts):
 
 def test_options_are_recorded_by_the_forward_for_its_backward():
     """A backward run outside the ``configured`` block still uses the forward's options (and is exact)."""
-    gen = torch.Generator().manual_seed(5)
+    gen = input_gen(5)
     x, w, b, h0 = _inputs(1, 6, 9, 4, bias=True, init=True, layout_btc=True, gen=gen)
     dout = torch.randn(1, 6, 9, generator=gen).to(DEVICE)
     grads = []
@@ -219,7 +219,7 @@ def test_backward_runs_with_the_forward_options():
     runs with the forward's (gradients bit-equal to a run entirely under them, while a run entirely under the
     other options sums dw over other blocks and differs in the last bits), whether the forward took them from a
     ``configured`` block or as an argument."""
-    gen = torch.Generator().manual_seed(6)
+    gen = input_gen(6)
     x, w, b, h0 = _inputs(1, 6, 40, 4, bias=True, init=True, layout_btc=True, gen=gen)
     dout = torch.randn(1, 6, 40, generator=gen).to(DEVICE)
     mine, other = OPTION_SETS[0], OPTION_SETS[2]
@@ -261,7 +261,7 @@ def test_options_refuse_bad_values_by_name(bad, match):
 
 def test_incoming_gradient_in_another_layout():
     """dy laid out [B, C, T] against x in the [B, T, C] layout (and the reverse): the same gradients."""
-    gen = torch.Generator().manual_seed(8)
+    gen = input_gen(8)
     for layout_btc in (True, False):
         x, w, b, h0 = _inputs(2, 7, 10, 4, bias=True, init=True, layout_btc=layout_btc, gen=gen)
         dy = torch.randn(2, 10, 7, generator=gen).transpose(1, 2).to(DEVICE)
@@ -296,7 +296,7 @@ def test_width_over_four_is_refused_by_name_and_routed_to_torch():
 def test_update_matches_torch_reference_over_steps(B, C, W, S, T_new, bias, act):
     """Several steps in a row: outputs close to the torch function's, conv_state equal to its after every step
     (state updated in place, x given in the transposed [B, T, C] layout too, B > 1)."""
-    gen = torch.Generator().manual_seed(B * 100 + C + W * S + T_new)
+    gen = input_gen(B * 100 + C + W * S + T_new)
     w = torch.randn(C, W, generator=gen).to(DEVICE)
     bvec = torch.randn(C, generator=gen).to(DEVICE) if bias else None
     state = torch.randn(B, C, S, generator=gen).to(DEVICE)
@@ -315,7 +315,7 @@ def test_update_matches_torch_reference_over_steps(B, C, W, S, T_new, bias, act)
 
 
 def test_update_takes_two_dimensional_x_and_a_strided_state():
-    gen = torch.Generator().manual_seed(21)
+    gen = input_gen(21)
     B, C, W = 3, 10, 4
     w, bvec = torch.randn(C, W, generator=gen).to(DEVICE), torch.randn(C, generator=gen).to(DEVICE)
     big = torch.randn(B, C, 2 * W, generator=gen).to(DEVICE)
@@ -358,7 +358,7 @@ def test_update_candidates_prefer_triton_and_never_for_a_differentiable_step():
 @pytest.mark.parametrize("B", [1, 32])
 def test_gpu_update_bf16_qwen35_moe_width(B):
     C, W = 8192, 4
-    gen = torch.Generator().manual_seed(B)
+    gen = input_gen(B)
     w = (torch.randn(C, W, generator=gen) * 0.5).to(DEVICE, torch.bfloat16)
     bvec = torch.randn(C, generator=gen).to(DEVICE, torch.bfloat16)
     state = torch.randn(B, C, W, generator=gen).to(DEVICE, torch.bfloat16)
@@ -376,7 +376,7 @@ def test_gpu_update_bf16_qwen35_moe_width(B):
 
 @pytest.mark.parametrize("opts", [ConvOptions(update_block_c=2, update_warps=2), ConvOptions(update_block_c=64)])
 def test_update_options(opts):
-    gen = torch.Generator().manual_seed(31)
+    gen = input_gen(31)
     B, C, W = 2, 11, 4
     w, bvec = torch.randn(C, W, generator=gen).to(DEVICE), torch.randn(C, generator=gen).to(DEVICE)
     state = torch.randn(B, C, W, generator=gen).to(DEVICE)

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from deltafuse import ops
+from tests.helpers import input_gen
 
 GDN = {"chunk": ops.chunk_gated_delta_rule, "recurrent": ops.fused_recurrent_gated_delta_rule}
 H, G, K, V = 2, 2, 16, 8
 
 
 def _gdn_inputs(B, T, grad):
-    gen = torch.Generator().manual_seed(B * 7 + T)
+    gen = input_gen(B * 7 + T)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).requires_grad_(grad)

@@ -10,7 +10,7 @@ import torch
 
 from deltafuse import ops
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule
-from tests.helpers import assert_rel_close, gpu, needs_cuda
+from tests.helpers import assert_rel_close, gpu, input_gen, needs_cuda
 
 B, T, H, G, K, V = 2, 37, 2, 2, 16, 8
 HV = H * G
@@ -18,7 +18,7 @@ OPS = {"chunk": ops.chunk_gated_delta_rule, "recurrent": ops.fused_recurrent_gat
 
 
 def _inputs(seed):
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
 
     def rnd(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
@@ -110,7 +110,7 @@ def test_triton_chunk_computes_the_options_in_its_kernels(monkeypatch, gate, bet
         raise AssertionError("the gate options were computed in torch, not in the Triton kernels")
 
     monkeypatch.setattr(api, "in_torch", no_torch_gates)
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    gen = input_gen()
     Bx, Tx = (1, 200) if packed else (2, 150)
     cu = torch.tensor([0, 70, 71, 200]) if packed else None
     N = 3 if packed else Bx
@@ -221,7 +221,7 @@ def test_gate_and_beta_in_kernel_bf16_gpu(name):
     recurrent op for decoding (no gradients) and for training (its Triton candidate then runs the chunked
     kernels)."""
     Bg, Tg, Hg, HVg, D = 2, 300, 4, 8, 128
-    gen = torch.Generator().manual_seed(11)
+    gen = input_gen(11)
     rnd = lambda *s, scale=1.0: torch.randn(*s, generator=gen, dtype=torch.float64) * scale  # noqa: E731
     x = dict(q=rnd(Bg, Tg, Hg, D), k=rnd(Bg, Tg, Hg, D), v=rnd(Bg, Tg, HVg, D), a=rnd(Bg, Tg, HVg), b=rnd(Bg, Tg, HVg),
              A_log=torch.log(torch.rand(HVg, generator=gen, dtype=torch.float64) * 15 + 0.5), dt_bias=rnd(HVg),

@@ -20,7 +20,7 @@ from deltafuse.ops.gated_delta import kernel as chunk_mod  # noqa: E402
 from deltafuse.ops.gated_delta.gates import Gates  # noqa: E402
 from deltafuse.ops.gated_delta.kernel import ChunkOptions, chunk_gated_delta_rule_triton  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
-from tests.helpers import gpu, needs_cuda, rel_rms  # noqa: E402
+from tests.helpers import gpu, input_gen, needs_cuda, rel_rms  # noqa: E402
 from tests.ops.test_gdn_triton import BF16, GPU_CASES, check_chunk, make_inputs, rel_max  # noqa: E402
 
 RECOMPUTE = ["l2norm", "intra", "state"]  # the backward's rerun of the forward's kernels (no "out")
@@ -41,7 +41,7 @@ OPTIONS = [dict(), dict(wy_recompute_t=True), dict(sbwd_from_t=True), dict(bwd_g
 def _draw(shape, layout, dtype):
     B, T, H, HV, K, V = shape
     xs, cu = make_inputs(B, T, H, HV, K, V, dtype=dtype, h0=True, cu=layout["cu"], l2=layout["l2"])
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    gen = input_gen()
     do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
     dht = torch.randn(xs["initial_state"].shape, generator=gen, dtype=torch.float64)
     return xs, cu, do.to(xs["q"].device), dht.to(xs["q"].device)
@@ -118,7 +118,7 @@ def test_kept_states_with_gates_in_the_kernel():
     """FLA's in-kernel gate and beta (raw a, logits, A_log, dt_bias): kept states (the backward reruns no forward
     kernel) give the recompute's gradients of every input and of A_log and dt_bias, bit for bit."""
     xs, cu, do, dht = _draw((1, 70, 1, 2, 16, 16), dict(cu=[0, 5, 70], l2=True), torch.float32)
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    gen = input_gen()
     xs["g"] = torch.randn(1, 70, 2, generator=gen)  # the raw gate a
     xs["beta"] = torch.randn(1, 70, 2, generator=gen)  # logits
     A_log, dt_bias = torch.randn(2, generator=gen), torch.randn(2, generator=gen)

@@ -21,7 +21,7 @@ from deltafuse.ops.gated_delta.kernel_recurrent import (  # noqa: E402
     RecurrentOptions, fused_recurrent_gated_delta_rule_triton, launch_config,
 )
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
-from tests.helpers import DEVICE, INTERPRETED, assert_rel_close  # noqa: E402
+from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, input_gen  # noqa: E402
 
 if not torch.cuda.is_available() and not isinstance(kr._recurrent_fwd, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("no CUDA and the Triton kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
@@ -31,7 +31,7 @@ TOL = 1e-5 if INTERPRETED else 1e-4
 
 
 def make(B, T, H, HV, K, V, *, N=None, h0=True, l2=True, seed=None):
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31) if seed is None else seed)
+    gen = input_gen() if seed is None else input_gen(seed)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q, k = r(B, T, H, K), r(B, T, H, K)
     if not l2:  # the models hand unit-norm rows when the kernel does not normalise
@@ -93,7 +93,7 @@ def test_int64_offsets():
 def _hf_layout(B, T, H, HV, K, V, seed=None):
     """q, k, v as transformers hands them to the decode op: views of one [B, T, 2HK + HV*V] conv output (the
     batch stride is the whole row, not H*K); g and beta here are strided views too (transformers' are dense)."""
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31) if seed is None else seed)
+    gen = input_gen() if seed is None else input_gen(seed)
     mixed = torch.randn(B, T, 2 * H * K + HV * V, generator=gen).to(DEVICE)
     q, k, v = torch.split(mixed, [H * K, H * K, HV * V], dim=-1)
     q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
@@ -292,7 +292,7 @@ def test_generate_with_the_triton_decode_kernel_equals_stock(monkeypatch):
     from deltafuse.models import build_model
 
     model = build_model("tiny", seed=3).eval()
-    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=input_gen(5))
     kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)

@@ -18,7 +18,7 @@ from deltafuse.ops.gated_delta import kernel_recurrent as kr  # noqa: E402
 from deltafuse.ops.gated_delta.gates import Gates  # noqa: E402
 from deltafuse.ops.gated_delta.kernel_recurrent import fused_recurrent_gated_delta_rule_triton  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
-from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda  # noqa: E402
+from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, gpu, input_gen, needs_cuda  # noqa: E402
 
 if not torch.cuda.is_available() and not isinstance(kr._recurrent_fwd, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("no CUDA and the Triton kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
@@ -84,7 +84,7 @@ def oracle(xs, gates, scale, cu=None, h0=None):
 
 
 def _gen():
-    return torch.Generator().manual_seed(torch.seed() % (2**31))
+    return input_gen()
 
 
 OPTIONS = {  # gate, dt_bias, beta_sigmoid

@@ -10,7 +10,7 @@ from deltafuse.ops.gated_delta.reference import (
     chunk_gated_delta_rule_torch,
     fused_recurrent_gated_delta_rule_torch,
 )
-from tests.helpers import assert_rel_close
+from tests.helpers import assert_rel_close, input_gen
 
 FUNCS = {"chunk": chunk_gated_delta_rule_torch, "recurrent": fused_recurrent_gated_delta_rule_torch}
 # observed worst errors: fp32 ~8e-7 (outputs and gradients), fp64 ~1e-14, bf16 ~2e-3
@@ -20,7 +20,7 @@ TOL = {torch.float32: (1e-5, 2e-5), torch.float64: (1e-12, 1e-11), torch.bfloat1
 def make_inputs(B, T, H, G, K, V, dtype, *, n_states=None, g_mode="rand", beta_mode="rand", seed=0):
     """Fresh random inputs without zeros. Keys are scaled to |k| ~ 1 so the recurrence stays stable
     without the in-kernel l2norm."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     HV = H * G
 
     def rnd(*shape):
@@ -59,7 +59,7 @@ def check_against_oracle(fn, inputs, *, use_init, l2, cu=None, dtype, grads=True
     q, v = inputs[0], inputs[2]
     K = q.shape[-1]
     scale = K**-0.5
-    gen = torch.Generator().manual_seed(1)
+    gen = input_gen(1)
     n = inputs[5].shape[0]
     do = torch.randn(v.shape, generator=gen, dtype=torch.float64)
     dh = torch.randn(n, *v.shape[2:3], K, v.shape[-1], generator=gen, dtype=torch.float64)
@@ -217,7 +217,7 @@ def check_per_sequence(fn, lengths, H, G, dtype, *, g_mode="rand", beta_mode="ra
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     T, N, K, V = int(cu[-1]), len(lengths), 16, 16
     inputs = make_inputs(1, T, H, G, K, V, dtype, n_states=N, g_mode=g_mode, beta_mode=beta_mode, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 100)
+    gen = input_gen(seed + 100)
     do = torch.randn(1, T, H * G, V, generator=gen, dtype=torch.float64)
     dh = torch.randn(N, H * G, K, V, generator=gen, dtype=torch.float64)
     o, final, grads = run_with_grads(fn, inputs, K**-0.5, True, l2, cu, do, dh)
@@ -252,7 +252,7 @@ def test_many_short_sequences_extreme_decay_and_beta(g_mode, beta_mode, H, G):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_short_lengths_match_per_sequence_oracle(seed):
     """Lengths uniform in 1..16 between two longer sequences, fresh lengths per seed."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     lengths = torch.randint(1, 17, (30,), generator=gen).tolist()
     lengths[4], lengths[20] = 97, 64 + int(torch.randint(1, 64, (1,), generator=gen))
     check_per_sequence(chunk_gated_delta_rule_torch, lengths, 1, 2, torch.float32, seed=seed)
@@ -342,7 +342,7 @@ def test_oracle_checkpointed_segments_equal_the_plain_loop(B, T, cu, use_init):
     about 40 GiB without it)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     inputs = make_inputs(B, T, 1, 2, 8, 16, torch.float64, n_states=None if cu is None else len(cu) - 1, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = input_gen(seed + 1)
     do = torch.randn(B, T, 2, 16, generator=gen, dtype=torch.float64)
     dh = torch.randn(*inputs[5].shape, generator=gen, dtype=torch.float64)
     cu_t = None if cu is None else torch.tensor(cu)

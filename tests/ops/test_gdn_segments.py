@@ -15,11 +15,11 @@ pytest.importorskip("triton")
 
 from benchmarks import gdn_segments as segments  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
-from tests.helpers import DEVICE, gpu, needs_cuda, rel_rms  # noqa: E402
+from tests.helpers import DEVICE, gpu, input_gen, needs_cuda, rel_rms  # noqa: E402
 
 
 def _inputs(B, T, H, HV, K, V, N, dtype, seed, device):
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     xs = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V),
               g=-torch.nn.functional.softplus(r(B, T, HV) * 1.5 - 2.0), beta=torch.sigmoid(r(B, T, HV)))
@@ -32,7 +32,7 @@ def _run_both(B, T, H, HV, K, V, cu, dtype, long, segment, seed, device):
     N = B if cu is None else len(cu) - 1
     xs = _inputs(B, T, H, HV, K, V, N, dtype, seed, device)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = input_gen(seed + 1)
     do = torch.randn(B, T, HV, V, generator=gen).to(device)
     dh = torch.randn(N, HV, K, V, generator=gen).to(device)
     leaves = {n: x.clone().requires_grad_() for n, x in xs.items()}

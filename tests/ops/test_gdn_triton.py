@@ -23,7 +23,7 @@ from deltafuse.ops.gated_delta import kernel_fwd  # noqa: E402
 from deltafuse.ops.gated_delta.kernel import chunk_gated_delta_rule_triton  # noqa: E402
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
 from deltafuse.ops.gated_delta.kernel_recurrent import fused_recurrent_gated_delta_rule_triton  # noqa: E402
-from tests.helpers import DEVICE, INTERPRETED, gpu, needs_cuda, rel_rms  # noqa: E402
+from tests.helpers import DEVICE, INTERPRETED, gpu, input_gen, needs_cuda, rel_rms  # noqa: E402
 
 if not torch.cuda.is_available() and not isinstance(kernel_fwd._intra_fwd, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("no CUDA and the Triton kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
@@ -37,7 +37,7 @@ def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def make_inputs(B, T, H, HV, K, V, *, dtype, h0=True, cu=None, g_mode="normal", beta_mode="normal",
                 l2=True, device=DEVICE, seed=None):
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    gen = input_gen(seed) if seed is not None else input_gen()
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q, k = r(B, T, H, K), r(B, T, H, K)
     if not l2:  # callers that do not normalise in the kernel pass unit-norm rows (as the models do)
@@ -145,7 +145,7 @@ def test_chunk_plan_tables(lengths):
     16-byte boundary whatever the number of sequences (Triton specialises its kernels on pointer alignment: a
     table whose alignment followed that number compiled every chunk kernel twice)."""
     if lengths == "random":
-        lengths = torch.randint(1, 200, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+        lengths = torch.randint(1, 200, (150,), generator=input_gen(3)).tolist()
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
@@ -167,7 +167,7 @@ def test_device_plan_tables(lengths):
     every replay): the real chunks' rows equal the host plan's, in order; the rows past them (room for the most
     chunks N sequences of TT tokens can have) are empty at TT; empty sequences (equal offsets) have no chunk."""
     if lengths == "random":
-        lengths = torch.randint(0, 150, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+        lengths = torch.randint(0, 150, (60,), generator=input_gen(4)).tolist()
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
@@ -452,7 +452,7 @@ def test_fwd_v2_state_pass(wh, kv):
     """The sequential pass alone (fp16 k and w, fp32 u; chunk states, v' and final states written in fp32 into
     NaN-filled buffers) against its recurrence in float64 on the same inputs: "x2" / "tf32" products are
     near-exact, "16" costs the 16-bit rounding of the state (w h) or of the decayed v' (k^T v') and no more."""
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    gen = input_gen()
     H, HV, K, V = 1, 2, 32, 32
     bounds = [0, 1, 65, 130]  # lengths 1, 64, 65
     TT, N = bounds[-1], len(bounds) - 1
@@ -511,7 +511,7 @@ def test_fwd_v2_output_kernel(store, qh, sv):
     """The output kernel alone (fp16 q/k, fp32 output buffer filled with NaN) against its formula in float64 on
     the same stored states and v': "x2" / "tf32" products are near-exact, "16" costs the 16-bit rounding of the
     fp32 operand (q h with fp32 states; the scores with 16-bit v') and no more."""
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    gen = input_gen()
     H, HV, K, V = 1, 2, 32, 32
     bounds = [0, 1, 65, 130]
     TT = bounds[-1]
@@ -677,7 +677,7 @@ def test_sequential_passes_fit_their_stages_to_shared_memory():
     finally:
         chunk_launch._shared_memory = real
         chunk_launch.pass_stages.cache_clear()
-    gen = torch.Generator().manual_seed(5)
+    gen = input_gen(5)
     for requested, row, limit in torch.randint(1, 200_000, (500, 3), generator=gen).tolist():
         requested = requested % 6 + 1
         got = chunk_launch.fit_stages(requested, row, limit)
@@ -818,7 +818,7 @@ def test_backward_runs_with_the_forward_options_and_stage_hook():
     (or given other arguments) runs with the forward's (bit-equal gradients to a run entirely under them, unlike a
     run entirely under the other options) and reports its stages to the forward's hook."""
     xs, cu_t = make_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float16, h0=True, cu=[0, 1, 70], l2=True, seed=21)
-    gen = torch.Generator().manual_seed(22)
+    gen = input_gen(22)
     do = torch.randn(1, 70, 2, 16, generator=gen, dtype=torch.float64)
     dht = torch.randn(2, 2, 16, 16, generator=gen, dtype=torch.float64)
     a, b = chunk_mod.ChunkOptions(**V2_BASE), chunk_mod.DEFAULT_OPTIONS
@@ -909,7 +909,7 @@ def test_intra_inverse(inv, kind):
     tiles (every element, into a NaN-filled buffer). The substitution and the recursive doubling stay at fp32
     rounding of T - I (rel rms 3e-8 random, 3e-7 hard); repeated squaring matches them on realistic tiles and
     loses about two digits on the hard ones (rel rms 6e-5: its powers of A cancel)."""
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    gen = input_gen()
     a = _wy_tiles(8, kind, gen)
     ref = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + a)
     t = torch.full((8, 64, 64), float("nan"), device=DEVICE)
@@ -961,7 +961,7 @@ def test_intra_kernel_fp16(inv, prod):
     float64 from the same inputs, over sequences of lengths 1, 64 and 65 with grouped heads and two V blocks:
     gc and T near-exact with every inverse, w and u near-exact with split products ("x2", 1e-7 to 3e-6) and within
     the 16-bit rounding of T with one 16-bit product ("16": w 2e-4, u 1e-5)."""
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    gen = input_gen()
     H, HV, K, V = 1, 2, 32, 32
     bounds = [0, 1, 65, 130]
     TT = bounds[-1]
@@ -1068,7 +1068,7 @@ def _fp32_grads_under(shape, opts, *options):
     final state), once under each of ``options``."""
     B, T, H, HV, K, V = shape
     xs, cu_t = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, h0=True, cu=opts.get("cu"), l2=opts["l2"])
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    gen = input_gen()
     do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
     dht = torch.randn(xs["initial_state"].shape, generator=gen, dtype=torch.float64)
     return [_v2_grads(xs, cu_t, do, dht, opts["l2"], o) for o in options]
@@ -1182,7 +1182,7 @@ def test_qkv_read_in_place_from_a_fused_projection(B, T, H, HV, K, V, cu, group_
     fused projection, a few columns to spare). The kernels read them in place (the tensors saved for the backward
     are views of that tensor: nothing was copied), and o, the final state and the gradient that reaches the fused
     tensor match float64 within the fp32 bound."""
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    gen = input_gen()
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     C = 2 * H * K + HV * V + 8
     fused, g = r(B, T, C), -torch.nn.functional.softplus(r(B, T, HV) * 1.5 - 0.5)
@@ -1243,7 +1243,7 @@ def test_qkv_read_in_place_bf16_gpu(B, T, cu, group_loop):
     the same call on contiguous copies (not bit-equal: the compiler may lay out and reduce a strided tile in
     another order, which moves single elements by an ulp)."""
     H, HV, D = 16, 32, 128
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    gen = input_gen()
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     fused = r(B, T, 2 * H * D + HV * D + 8).to(DEVICE, torch.bfloat16)
     g = (-torch.nn.functional.softplus(r(B, T, HV) * 1.5 - 0.5)).to(DEVICE, torch.bfloat16)

@@ -14,8 +14,9 @@ from deltafuse.ops.moe import candidates as moe_backends
 from deltafuse.backends.registry import CallInfo, Registry
 from deltafuse.ops.moe import reference
 from deltafuse.ops.moe.naive import naive_moe_experts
-from tests.helpers import (DEVICE, INTERPRETED, assert_rel_close, gpu, needs_cuda, rel_rms,  # noqa: E402
-                           triton_kernel_module)
+from tests.helpers import (
+    DEVICE, INTERPRETED, assert_rel_close, gpu, input_gen, input_seed, needs_cuda, rel_rms, triton_kernel_module,
+)
 
 OP = moe_backends.MOE_EXPERTS
 
@@ -28,7 +29,7 @@ def _api():
 
 def _inputs(N, H, I, E, k, *, dtype=torch.float32, device=DEVICE, seed=0, used=None):
     """Random routing over the first ``used`` experts (default all): experts >= used receive no token."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     used = E if used is None else used
     idx = torch.stack([torch.randperm(used, generator=gen)[:k] for _ in range(N)]) if N else \
         torch.zeros(0, k, dtype=torch.int64)
@@ -105,7 +106,7 @@ def test_routing_plan_orders_slots_by_expert_stably(E, k, n):
     """The routing plan (expert ids sorted as 16-bit keys where they fit, as int64 past 32,767 experts) against
     one built in int64 by hand: slots grouped by expert in token order, each group's end offset, each slot's
     token; the inverse order undoes the sort."""
-    gen = torch.Generator().manual_seed(torch.seed() % (2**31))
+    gen = input_gen()
     idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(n)]).to(DEVICE)
     plan = reference._Plan(idx, E)
     flat = idx.reshape(-1).cpu()
@@ -121,7 +122,7 @@ def test_no_caching_across_calls_and_per_call_weights_get_gradients():
     """A LoRA-style weight built per call (W0 + B @ A) gets its gradient, and changing the parameters between
     calls changes the result (nothing derived from them is kept)."""
     x, idx, w, gu, dn = _inputs(8, 16, 8, 4, 2, seed=6)
-    gen = torch.Generator().manual_seed(7)
+    gen = input_gen(7)
     A = (0.1 * torch.randn(4, 2, 16, generator=gen)).to(DEVICE).requires_grad_()
     B = (0.1 * torch.randn(4, 16, 2, generator=gen)).to(DEVICE).requires_grad_()
     base = gu.detach()
@@ -280,7 +281,7 @@ def test_sparse_moe_block_equals_transformers(registered, stock):
     """Whole sparse MoE block (router softmax/top-k/renormalise, experts, shared expert): output, input gradient
     and every parameter gradient (router included) equal the stock experts implementations in fp32."""
     for cfg, block_cls in _families():
-        torch.manual_seed(9)
+        torch.manual_seed(input_seed(9))
         block = block_cls(cfg)
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.3)
@@ -315,7 +316,7 @@ def test_peft_lora_on_expert_parameters(registered):
     """PEFT LoRA with target_parameters on gate_up_proj and down_proj: same output and LoRA gradients as stock."""
     peft = pytest.importorskip("peft")
     cfg, block_cls = _families()[0]
-    torch.manual_seed(11)
+    torch.manual_seed(input_seed(11))
     block = block_cls(cfg)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -350,7 +351,7 @@ def test_gather_sum_triton_matches_float64(weighted, N, k, H):
     random permutation, as the inverse of the sort by expert is), H across several column blocks and not a
     multiple of one."""
     kernel = _kernel()
-    gen = torch.Generator().manual_seed(N * 100 + k * 10 + H + weighted)
+    gen = input_gen(N * 100 + k * 10 + H + weighted)
     S = N * k
     rows = torch.randn(S, H, generator=gen)
     index = torch.randperm(S, generator=gen).view(N, k)
@@ -377,7 +378,7 @@ def test_act_grads_triton_matches_float64(need, S, I):
     d[gate; up] of silu(gate) up for the upstream g w; every element, each output only where asked for; I
     across several column blocks and S not a multiple of the rows per program."""
     kernel = _kernel()
-    gen = torch.Generator().manual_seed(S * 7 + I + sum(need))
+    gen = input_gen(S * 7 + I + sum(need))
     gu = torch.randn(S, 2 * I, generator=gen) * 2
     g = torch.randn(S, I, generator=gen)
     w = torch.rand(S, generator=gen) + 0.05
@@ -447,7 +448,7 @@ def test_tile_map_cuts_every_experts_rows_into_tiles_once(bm):
     rows into its expert, and the slots past the last tile (expert -1, first row 0) fill the shape-only bound;
     the map equals one built expert by expert in Python."""
     kernel_mm = _mm_kernel()
-    gen = torch.Generator().manual_seed(bm)
+    gen = input_gen(bm)
     drawn = [torch.randint(0, 3 * bm + 2, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
              for _ in range(4)]
     for counts in ([0, 5, 0, 17, 1, 0], [33], [0, 0, 3], [bm] * 4, [0, 0], *drawn):
@@ -485,7 +486,7 @@ def test_grouped_mm_triton_matches_float64(gather, layout, counts, K, M):
     multiple of the tiles, the weights in both layouts (K or M contiguous, as the forward's transposed views and
     the data gradients' plain weights are)."""
     kernel_mm = _mm_kernel()
-    gen = torch.Generator().manual_seed(sum(counts) * 31 + K + M + gather)
+    gen = input_gen(sum(counts) * 31 + K + M + gather)
     offs, rows, n = _sorted_routing(counts, gen)
     S, E = int(offs[-1]), len(counts)
     src = torch.randn(n if gather else S, K, generator=gen)
@@ -797,7 +798,7 @@ def test_gpu_grouped_mm_at_qwen35_sizes_is_as_close_to_float64_as_torchs(gather)
     rows (the two largest and the smallest) against float64, no farther than torch's (relative RMS about 1.7e-3
     each, within 2.5e-3, and ours at most 1.1x torch's)."""
     kernel_mm = _mm_kernel()
-    gen = torch.Generator().manual_seed(17 + gather)
+    gen = input_gen(17 + gather)
     E, n, k, H, I = 256, 4096, 8, 2048, 512
     pop = (1.0 / (torch.arange(E, dtype=torch.float64) + 8.0))[torch.randperm(E, generator=gen)]
     pop[5] = 0.0  # expert 5 gets no row

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from deltafuse.ops import causal_conv1d_fn, chunk_gated_delta_rule  # noqa: E402
-from tests.helpers import INTERPRETED  # noqa: E402
+from tests.helpers import INTERPRETED, input_gen  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="records launches of the Triton interpreter")
 
@@ -80,7 +80,7 @@ def _one_variant_each(seen):
 
 
 def test_chunked_gdn_compiles_once_for_every_packing(launches):
-    gen = torch.Generator().manual_seed(0)
+    gen = input_gen(0)
     for lengths in PACKINGS:
         H, HV, K, V = 1, 2, 16, 16
         q, k = (torch.randn(1, T, H, K, generator=gen).requires_grad_() for _ in range(2))
@@ -95,7 +95,7 @@ def test_chunked_gdn_compiles_once_for_every_packing(launches):
 
 
 def test_conv1d_compiles_once_for_every_packing(launches):
-    gen = torch.Generator().manual_seed(1)
+    gen = input_gen(1)
     for lengths in PACKINGS:
         C, W = 8, 4
         x = torch.randn(1, C, T, generator=gen).requires_grad_()

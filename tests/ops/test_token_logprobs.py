@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from deltafuse.ops.cross_entropy.naive import naive_token_logprobs
-from tests.helpers import DEVICE, assert_rel_close, gpu, needs_cuda, rel_rms, triton_kernel_module
+from tests.helpers import DEVICE, assert_rel_close, gpu, input_gen, needs_cuda, rel_rms, triton_kernel_module
 
 ALL = ("log_probs", "entropy", "is_top1")
 
@@ -33,7 +33,7 @@ def _backend(name):
 
 
 def _inputs(N, H, V, *, bias=False, trainable=True, dtype=torch.float32, device=DEVICE, seed=0, ignored=()):
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     hidden = torch.randn(N, H, generator=gen).to(device, dtype).requires_grad_()
     weight = (torch.randn(V, H, generator=gen) * 1.5 / math.sqrt(H)).to(device, dtype).requires_grad_(trainable)
     b = (0.5 * torch.randn(V, generator=gen)).to(device, dtype).requires_grad_(trainable) if bias else None
@@ -44,7 +44,7 @@ def _inputs(N, H, V, *, bias=False, trainable=True, dtype=torch.float32, device=
 
 
 def _upstream(n, seed, device=DEVICE):
-    gen = torch.Generator().manual_seed(seed)
+    gen = input_gen(seed)
     return (torch.randn(n, generator=gen).to(device), torch.randn(n, generator=gen).to(device))
 
 
@@ -136,14 +136,19 @@ def test_batch_shape_is_kept(backend):
 def test_ties_go_to_the_first_index(backend):
     """Duplicated head rows make exact ties: the target is top-1 only when it is the first maximal index,
     also when the tie spans two vocabulary blocks."""
-    gen = torch.Generator().manual_seed(8)
+    gen = input_gen(8)
     H, V = 8, 24
-    weight = torch.randn(V, H, generator=gen).to(DEVICE)
+    weight = torch.randn(V, H, generator=gen)
+    # rows 3 and 5 twice as long as any other: along either, its own product is the largest (Cauchy-Schwarz)
+    longest = weight.norm(dim=1).max()
+    for r in (3, 5):
+        weight[r] *= 2 * longest / weight[r].norm()
+    weight = weight.to(DEVICE)
     weight[13] = weight[3]   # tie inside block 0 (columns 0-7) against block 1 (8-15)
     weight[20] = weight[13]  # and block 2 (16-23)
     weight[6] = weight[5]    # a tie inside one block
     hidden = torch.zeros(8, H, device=DEVICE)
-    hidden[:4] = weight[3] * 4  # rows whose maximum is at 3, 13 and 20 (w[3] . w[3] is the largest product)
+    hidden[:4] = weight[3] * 4  # rows whose maximum is at 3, 13 and 20
     hidden[4:] = weight[5] * 4
     targets = torch.tensor([3, 13, 20, 0, 5, 6, 1, 5], device=DEVICE)
     logits = hidden @ weight.t()

@@ -12,11 +12,12 @@ import torch
 
 from deltafuse.train import packing, steps
 from deltafuse.train.cli import main
+from tests.helpers import input_gen, input_seed
 
 
 class _Rows(torch.utils.data.Dataset):
     def __init__(self, n: int, width: int):
-        g = torch.Generator().manual_seed(1)
+        g = input_gen(1)
         self.x = torch.randn(n, width, generator=g)
         self.y = torch.randn(n, generator=g)
 
@@ -33,7 +34,7 @@ class _Regression(torch.nn.Module):
 
     def __init__(self, width: int, bad: dict[int, float]):
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(input_seed(0))
         self.lin = torch.nn.Linear(width, 1)
         self.bad = bad
 

@@ -392,7 +392,13 @@ def test_act_grads_triton_matches_float64(need, S, I):
             assert a is None, name
             continue
         assert a.shape == b.shape and a.dtype == torch.float32, name
-        assert_rel_close(a, b, 1e-6, name)
+        if name == "dws":
+            # a sum of I products per slot, which may cancel: within float32's summation bound of each slot,
+            # (I + 4) eps of the sum of the terms' magnitudes (the + 4: rounding of each product in the kernel)
+            bound = (I + 4) * torch.finfo(torch.float32).eps * (g.double().abs() * act.detach().abs()).sum(1)
+            assert torch.isfinite(a).all() and ((a.double().cpu() - b).abs() <= bound).all(), (name, a, b, bound)
+        else:
+            assert_rel_close(a, b, 1e-6, name)
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 4, 3, 1), (13, 40, 8, 8, 4), (6, 24, 12, 5, 5), (9, 16, 40, 4, 3),

@@ -200,7 +200,8 @@ _CHOICES = (("fwd_store", ("input", "fp32")), ("bwd_store", ("input", "fp32")), 
             ("intra_prod", ("x2", "16")), ("bwd_partials", ("input", "fp32")))
 # (stages, value tile, warps) of the kernels whose single-stage build with value tiles under 64 columns and 4 or more
 # warps faulted or gave NaN gradients on an H100 with Triton 3.6 (BENCHMARKS.md#gdn-tile-fault-s29): the two that loop
-# over value tiles after a product held from before the loop, _intra_fwd and _dv_local
+# over value tiles after a product held from before the loop, _intra_fwd and _dv_local. At 2 warps both are correct
+# (_dv_local in session 29; _intra_fwd at 32 columns in session 31, BENCHMARKS.md#gdn-timer-s31, 18 % slower)
 _ONE_STAGE_FAULTS = (("stages", "bv_intra", "warps_intra"), ("stages_dvl", "bv_dvl", "warps_dvl"))
 _PRODUCTS = ("fwd_prod_wh", "fwd_prod_kv", "fwd_prod_qh", "fwd_prod_sv", "prod_wy", "prod_bo", "sbwd_prod_kd",
              "sbwd_prod_qd", "sbwd_prod_wd", "sbwd_prod_td")

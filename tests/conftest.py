@@ -63,7 +63,7 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(autouse=True)
-def _seed_torch(request):
+def _seed_torch():
     """torch's global generator seeded per test from the run's base seed: draws without a generator of their own
     (module initialisation, dropout) are fresh each run and repeat with ``--test-seed``."""
     from tests.helpers import input_seed

@@ -15,7 +15,7 @@ from deltafuse.ops.moe import api as moe_api
 from deltafuse.ops.norm import api as norm_api
 from deltafuse.ops.rope import api as rope_api
 from deltafuse.ops.swiglu import api as swiglu_api
-from tests.helpers import input_gen
+from tests.helpers import input_seed
 
 
 def _r(*shape, grad=False, low=None):
@@ -26,8 +26,7 @@ def _r(*shape, grad=False, low=None):
 
 
 def _cases(grad):
-    g = input_gen(0)
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+    torch.manual_seed(input_seed("cases"))
     B, T, H, HV, K, V = 1, 7, 2, 4, 8, 8
     q, k = _r(B, T, H, K, grad=grad), _r(B, T, H, K, grad=grad)
     v = _r(B, T, HV, V, grad=grad)

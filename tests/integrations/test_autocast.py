@@ -20,7 +20,7 @@ from deltafuse.models import build_config, build_model
 from deltafuse.ops.cross_entropy.naive import naive_linear_cross_entropy
 from deltafuse.ops.moe.naive import naive_moe_experts
 from deltafuse.ops.norm.naive import naive_rms_norm_gated, naive_rms_norm_zero_centered
-from tests.helpers import INTERPRETED, gpu, input_gen, needs_cuda
+from tests.helpers import INTERPRETED, gpu, input_gen, input_seed, needs_cuda
 from tests.integrations import assert_grads_close, count_op_calls, grads
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -84,19 +84,48 @@ def test_gpu_fp32_weights_under_cuda_autocast_train_like_stock(name, dtype, spy)
     _autocast_vs_stock(name, dtype, spy, "cuda")
 
 
+# Draws per case, each with fresh weights and tokens. The GDN gate's parameters (A_log, dt_bias and the
+# projection a comes from) get gradients that sum cancelling terms over every token, so under 16-bit autocast their
+# error against fp32 is heavy-tailed on both sides and swings with the draw. Measured on CPU over 40 draws per case
+# (where both sides compute the GDN in fp32 from the same 16-bit projections): the ratio of deltafuse's error to
+# stock's has a median of 0.82 - 0.96 per parameter and case, a log standard deviation of 0.9 (A_log, dt_bias) and
+# 0.2 - 0.4 (in_proj_a), and reaches 18 in single draws, either side the larger. So these parameters are judged by
+# the median ratio over the draws (at most GATE_MEDIAN; its standard error over DRAWS draws is about a quarter of
+# log 2.5, so a typical run sits four of them below it), every other gradient in every draw. A GDN whose dg is
+# 1 % (fp16) or 3 % (bf16) too large fails it.
+DRAWS = 24
+GATE = ("A_log", "dt_bias", "in_proj_a.weight")
+GATE_MEDIAN = 2.5
+
+
 def _autocast_vs_stock(name, dtype, spy, device):
-    model = build_model(name, seed=0, device=device, **SMALL, **_every_expert(name)).train()
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    floor = 5e-2 if device == "cuda" else 0.0  # the 16-bit GDN kernel's tolerance (see the CUDA test)
+    gate: dict[str, list[float]] = {}
+    for draw in range(DRAWS):
+        for n, ratio in _one_draw(name, dtype, spy, device, draw, eps, floor).items():
+            gate.setdefault(n, []).append(ratio)
+    assert any(n.endswith("A_log") for n in gate) and all(len(r) == DRAWS for r in gate.values())
+    medians = {n: sorted(r)[DRAWS // 2] for n, r in gate.items()}
+    bad = {n: m for n, m in medians.items() if not m <= GATE_MEDIAN}
+    assert not bad, (f"GDN gate gradients under autocast, median over {DRAWS} draws of deltafuse's error / "
+                     f"max(stock's, {floor / GATE_MEDIAN}) over {GATE_MEDIAN}: "
+                     + ", ".join(f"{n} {m:.2f}" for n, m in bad.items()))
+
+
+def _one_draw(name, dtype, spy, device, draw, eps, floor) -> dict[str, float]:
+    """One draw of weights and tokens: the loss and every gradient but the GDN gate's against fp32 and stock;
+    returns, for the gate's parameters, deltafuse's error against fp32 over max(stock's, ``floor`` / GATE_MEDIAN):
+    a median of these ratios at most GATE_MEDIAN is a median error at most max(GATE_MEDIAN x stock's, ``floor``)."""
+    model = build_model(name, seed=input_seed("model", draw), device=device, **SMALL, **_every_expert(name)).train()
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    # one fixed draw: the decay parameters' 16-bit errors are heavy-tailed on both sides (fp16 tiny-moe, 12 draws:
-    # stock 6e-5 - 3.5e-2, deltafuse 1e-4 - 1.1e-2, deltafuse the smaller in 9; one more draw: deltafuse 0.14 against
-    # stock's 0.02), so a fresh draw now and then takes one side past a bound that holds for the typical draw
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 97, (2, 13), generator=gen).to(device)
+    ids = torch.randint(0, 97, (2, 13), generator=input_gen("ids", draw)).to(device)
     labels = ids.clone()
     labels[0, :3] = -100
     kwargs = dict(input_ids=ids, labels=labels, use_cache=False)
     if hasattr(model.config, "num_experts"):
         kwargs["output_router_logits"] = True
+    spy.update(dict.fromkeys(spy, 0))
     ref_loss, ref = _step(model, kwargs, None)  # fp32, no autocast
     stock_loss, stock = _step(model, kwargs, dtype)
     with patching.patched(model):
@@ -109,13 +138,14 @@ def _autocast_vs_stock(name, dtype, spy, device):
     # fp32 without autocast: deltafuse equals stock to fp32 rounding
     assert abs(fp32_loss.item() - ref_loss.item()) <= 2e-6 * abs(ref_loss.item())
     assert_grads_close(fp32, ref)
-    # under autocast: as close to fp32 as stock is, and close to stock
-    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    floor = 5e-2 if device == "cuda" else 0.0  # the 16-bit GDN kernel's tolerance (see the CUDA test)
-    assert abs(loss.item() - ref_loss.item()) <= abs(stock_loss.item() - ref_loss.item()) + eps * 0.1
-    assert abs(loss.item() - stock_loss.item()) <= 0.2 * eps * abs(stock_loss.item())
+    # under autocast: as close to fp32 as stock is (plus a tenth of the 16-bit rounding, relative) and within a fifth
+    # of it of stock's (CPU, 300 draws per case: deltafuse's loss error beyond stock's at most 0.013 eps, apart from
+    # stock's at most 0.022 eps; one draw of another 960: 0.024 eps beyond stock's)
+    ref_loss, stock_loss, loss = ref_loss.item(), stock_loss.item(), loss.item()
+    assert abs(loss - ref_loss) <= abs(stock_loss - ref_loss) + 0.1 * eps * abs(ref_loss)
+    assert abs(loss - stock_loss) <= 0.2 * eps * abs(stock_loss)
     assert got.keys() == ref.keys()
-    bad = []
+    bad, gate, names = [], {}, []
     for n, r in ref.items():
         assert (got[n] is None) == (r is None) == (stock[n] is None), n
         if r is None:
@@ -126,23 +156,21 @@ def _autocast_vs_stock(name, dtype, spy, device):
             if not mine <= 8 * eps:
                 bad.append(f"{n}: vs fp32 {mine:.2e} (stock not finite)")
             continue
-        theirs, between = _norm_rel(stock[n], r), _norm_rel(got[n], stock[n])
-        # as close to fp32 as stock (plus three 16-bit roundings: a per-head decay parameter such as A_log sums
-        # over every token, 1.9e-2 against stock's 6.6e-3 on transformers 5.9 in bf16), and no further from
-        # stock than stock's own error allows (5.9's experts compute in bf16 under autocast: 0.18 from fp32)
-        # the per-head decay parameters (A_log, dt_bias) sum cancelling terms over every token: under 16-bit
-        # autocast both sides' error swings with the seed (CPU fp16, tiny-moe, seeds 0-5: stock 1.3e-4 - 1.0e-2,
-        # deltafuse 9e-5 - 9e-3, either side the larger; this test's fp16 case on transformers 5.9: 3.7e-2 against
-        # stock's 8.7e-3), so each is bounded by the 16-bit GDN tolerance, and all gradients together tightly below
-        decay = 5e-2 if n.endswith(("A_log", "dt_bias")) else 0.0
-        if not (mine <= max(1.5 * theirs + 3 * eps, floor, decay)
-                and between <= max(8 * eps, 1.5 * theirs, floor, decay)):
+        theirs = _norm_rel(stock[n], r)
+        if n.endswith(GATE):
+            gate[n] = mine / max(theirs, floor / GATE_MEDIAN)
+            continue
+        names.append(n)
+        between = _norm_rel(got[n], stock[n])
+        # as close to fp32 as stock (plus three 16-bit roundings), and no further from stock than stock's own
+        # error allows (5.9's experts compute in bf16 under autocast: 0.18 from fp32)
+        if not (mine <= max(1.5 * theirs + 3 * eps, floor) and between <= max(8 * eps, 1.5 * theirs, floor)):
             bad.append(f"{n}: vs fp32 {mine:.2e} (stock {theirs:.2e}), vs stock {between:.2e}")
-    assert not bad, "gradients under autocast:\n" + "\n".join(bad)
-    names = [n for n, r in ref.items() if r is not None and torch.isfinite(stock[n]).all()]
+    assert not bad, f"gradients under autocast (draw {draw}):\n" + "\n".join(bad)
     flat = {k: torch.cat([d[n].flatten() for n in names]) for k, d in (("got", got), ("stock", stock), ("ref", ref))}
     mine, theirs = _norm_rel(flat["got"], flat["ref"]), _norm_rel(flat["stock"], flat["ref"])
-    assert mine <= max(1.5 * theirs + 3 * eps, floor), f"all gradients: vs fp32 {mine:.2e} (stock {theirs:.2e})"
+    assert mine <= max(1.5 * theirs + 3 * eps, floor), f"all other gradients: vs fp32 {mine:.2e} (stock {theirs:.2e})"
+    return gate
 
 
 # --- ops under autocast ------------------------------------------------------------------------------

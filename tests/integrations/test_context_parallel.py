@@ -145,11 +145,15 @@ def test_two_ranks_equal_stock_per_sequence(tmp_path):
     assert ours_err <= 1.5 * stock_err + 2e-3, (ours_err, stock_err)
     for off in ("relay", "halo"):
         broken = results[f"tiny, {off} off"]
-        # the exchange matters: without it the second half of the crossing sequences is wrong (by 2.6e-4 of
-        # the largest logit for some seeds of the tiny model: the state's effect decays fast there)
-        assert rel_max(broken["logits"], ref_logits) > 10 * RTOL, off
+        # the exchange matters: without it the comparisons above fail. Measured over 8 draws of the tiny model:
+        # without the relay the largest relative gradient change is 0.3 - 3.9 and the logits' 1.3e-5 - 4e-2 of the
+        # largest (the state reaches the second rank's tokens only as far as the draw's gates let it: some draws'
+        # forget nearly all of it at the edge, so the logits alone may not show it); without the halo 0.5 - 2.0 and
+        # 8e-2 - 1.7e-1
         worst = max(rel_max(broken["grads"][n], g) for n, g in ref_grads.items() if g is not None)
-        assert worst > 10 * RTOL, (off, worst)
+        assert worst > 100 * GRAD_RTOL, (off, worst)
+        if off == "halo":
+            assert rel_max(broken["logits"], ref_logits) > 100 * RTOL, off
         # and only there: the first rank's half is unchanged
         assert rel_max(broken["logits"][:, :16], ref_logits[:, :16]) <= RTOL, off
 

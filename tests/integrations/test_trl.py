@@ -36,7 +36,7 @@ from deltafuse.maps import PATCHER  # noqa: E402
 from deltafuse.integrations.trainer import DeltafuseCallback  # noqa: E402
 from deltafuse.models import build_model  # noqa: E402
 from deltafuse.train.tokenizer import build_byte_tokenizer  # noqa: E402
-from tests.helpers import Float64Everywhere, input_gen  # noqa: E402
+from tests.helpers import Float64Everywhere, input_gen, rel_rms  # noqa: E402
 from tests.integrations import RTOL, assert_same_objects, snapshot  # noqa: E402
 from tests.integrations.test_trainer_switch import (STEPS, assert_same_training, grad_recorder, lora,  # noqa: E402
                                                      logged_losses, op_calls,  # noqa: F401 (op_calls: a fixture)
@@ -65,16 +65,10 @@ def _assert_same_training(got, ref):
 ROUNDING = 16 * torch.finfo(torch.float32).eps
 
 
-def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    assert a.shape == b.shape and torch.isfinite(a).all() and b.norm() > 0
-    return ((a - b).norm() / b.norm()).item()
-
-
 def _assert_as_accurate(got, ref, oracle):
     """``got`` (deltafuse) against ``ref`` (stock, fp32) and ``oracle`` (the same stock run in float64): the same
     logged loss as stock's (rel RTOL) at both steps; at both steps every trainable gradient of deltafuse's no
-    farther from the oracle's (norm-relative) than twice stock's error of that gradient, plus NOISE times stock's
+    farther from the oracle's (relative RMS) than twice stock's error of that gradient, plus NOISE times stock's
     median error over all of that step's gradients (the step's typical fp32 noise), plus fp32 rounding.
 
     The noise term: per parameter, two fp32 runs' errors at the noise level differ by several times in either
@@ -96,10 +90,10 @@ def _assert_as_accurate(got, ref, oracle):
         present = {n: t for n, t in o.items() if t is not None}
         assert len(present) >= 0.9 * len(o) and all(t.abs().max() > 0 for t in present.values())
         assert all((g[n] is None) == (r[n] is None) == (o[n] is None) for n in o)
-        stock = {n: _norm_rel(r[n], t) for n, t in present.items()}
+        stock = {n: rel_rms(r[n], t) for n, t in present.items()}
         median = sorted(stock.values())[len(stock) // 2]
         for n, t in present.items():
-            mine = _norm_rel(g[n], t)
+            mine = rel_rms(g[n], t)
             if not mine <= 2 * stock[n] + NOISE * median + ROUNDING:
                 bad.append(f"step {step} {n}: {mine:.2e} from float64 (stock {stock[n]:.2e}, median {median:.2e})")
     assert not bad, "deltafuse's gradients farther from the float64 oracle than stock's fp32 ones allow:\n" + \

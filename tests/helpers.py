@@ -80,6 +80,32 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return err / ref
 
 
+# fp32 rounding of a gradient through a few layers: errors below it are noise whose ratio between two runs means nothing
+FP32_ROUNDING = 16 * torch.finfo(torch.float32).eps
+
+
+def fp32_gradient_errors(got: dict, oracle: dict, *refs: dict, noise: float = 32) -> dict[str, tuple[float, float]]:
+    """For every gradient of ``oracle`` (a float64 run): ``got``'s relative RMS error against it and the most it
+    may be for ``got`` to be as accurate as the fp32 runs ``refs`` of the same computation. That bound is twice the
+    largest of the refs' errors of the same gradient, plus ``noise`` times the median over all the gradients of
+    that largest error (the runs' typical fp32 noise), plus FP32_ROUNDING. A missing gradient must be missing on
+    every side.
+
+    Per parameter, two fp32 runs that add the same terms in other orders differ from float64 by several times in
+    either direction, more where a few tokens' gradients are ill-conditioned (the GDN's normalised q and k). Measured
+    on tiny models (CPU, fresh draws; test_trl, test_trainer_switch, test_packing): the log ratio of deltafuse's
+    error to stock's has a median of -0.17 to +0.15 per test and reaches +2.4 (11x) for single parameters; with
+    a noise term of 8 medians one draw in 30 of a TRL case failed, at 32 the largest error was 0.46 of the bound
+    (about 130 two-step runs). A leak across packed sequences lies 1,000x or more above it; a GDN g or beta off by
+    1e-3 gave errors of 1e-3 - 6e-3 against medians of 3e-6."""
+    assert refs and all(d.keys() == oracle.keys() for d in (got, *refs))
+    assert all((d[n] is None) == (t is None) for n, t in oracle.items() for d in (got, *refs))
+    present = {n: t for n, t in oracle.items() if t is not None}
+    theirs = {n: max(rel_rms(r[n], t) for r in refs) for n, t in present.items()}
+    median = sorted(theirs.values())[len(theirs) // 2]
+    return {n: (rel_rms(got[n], t), 2 * theirs[n] + noise * median + FP32_ROUNDING) for n, t in present.items()}
+
+
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, name: str = "tensor",
                      peak: float = 30.0) -> None:
     """Assert ``actual`` matches the reference ``expected`` element by element.

@@ -17,7 +17,7 @@ step's gradients of both lie 1e-4 to 1e-3 from float64. So the packed runs' grad
 float64 oracle of that reference run: deltafuse's must be no farther from it than stock's fp32 ones (see
 ``_assert_as_accurate``).
 
-Every run draws fresh texts (tests/helpers.py ``input_gen``); the models' weights are fixed.
+Every run draws fresh texts, weights and LoRA adapters (tests/helpers.py ``input_gen`` / ``input_seed``).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from deltafuse.maps import PATCHER  # noqa: E402
 from deltafuse.integrations.trainer import DeltafuseCallback  # noqa: E402
 from deltafuse.models import build_model  # noqa: E402
 from deltafuse.train.tokenizer import build_byte_tokenizer  # noqa: E402
-from tests.helpers import Float64Everywhere, input_gen, rel_rms  # noqa: E402
-from tests.integrations import RTOL, assert_same_objects, snapshot  # noqa: E402
-from tests.integrations.test_trainer_switch import (STEPS, assert_same_training, grad_recorder, lora,  # noqa: E402
-                                                     logged_losses, op_calls,  # noqa: F401 (op_calls: a fixture)
+from tests.helpers import Float64Everywhere, input_gen, input_seed  # noqa: E402
+from tests.integrations import assert_same_objects, snapshot  # noqa: E402
+from tests.integrations.test_trainer_switch import (STEPS, assert_as_accurate, assert_same_training,  # noqa: E402
+                                                     grad_recorder, lora, op_calls,  # noqa: F401 (op_calls: a fixture)
                                                      training_args)
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -61,43 +61,20 @@ def _assert_same_training(got, ref):
     assert_same_training(got, ref, got.recorder.steps, ref.recorder.steps)
 
 
-# fp32 rounding of a gradient (relative to its norm): below it, the ratio of two implementations' errors means nothing
-ROUNDING = 16 * torch.finfo(torch.float32).eps
-
-
 def _assert_as_accurate(got, ref, oracle):
     """``got`` (deltafuse) against ``ref`` (stock, fp32) and ``oracle`` (the same stock run in float64): the same
-    logged loss as stock's (rel RTOL) at both steps; at both steps every trainable gradient of deltafuse's no
-    farther from the oracle's (relative RMS) than twice stock's error of that gradient, plus NOISE times stock's
-    median error over all of that step's gradients (the step's typical fp32 noise), plus fp32 rounding.
+    logged loss as stock's (rel 1e-4) at both steps; at both steps every trainable gradient of deltafuse's as
+    accurate as stock's (test_trainer_switch.py ``assert_as_accurate``: no farther from the oracle than twice
+    stock's error of it plus 32 times stock's median error of the step, plus fp32 rounding).
 
-    The noise term: per parameter, two fp32 runs' errors at the noise level differ by several times in either
-    direction. Measured on CPU, transformers 5.17, 20 draws of each packed case: stock's errors up to 3e-4 at the
-    second step (medians 1e-6 - 6e-5), and up to 0.55 for tiny-moe's A_log (fp32 GDN gate gradients,
-    tests/integrations/test_gradient_accuracy.py), where deltafuse's stay at 1e-6; deltafuse's largest error at
-    most 0.78 of the bound with a noise term of twice the median. On transformers 5.9 one draw of 8 had deltafuse
-    at 4.2e-5 against stock's 7e-6 for one LoRA matrix at the second step, with a median of 5.9e-6. g or beta scaled by
-    1 + 1e-3 inside the GDN gives errors of 1e-3 - 6e-3 against medians of 3e-6, beta by 1 + 1e-4 6e-4."""
-    NOISE = 8
-    got_losses, ref_losses = logged_losses(got), logged_losses(ref)
-    assert len(got_losses) == len(ref_losses) == STEPS, (got_losses, ref_losses)
-    for step, (g, r) in enumerate(zip(got_losses, ref_losses), 1):
-        assert abs(g - r) <= RTOL * abs(r), f"step {step}: loss {g!r} vs stock {r!r}"
-    assert len(got.recorder.steps) == len(ref.recorder.steps) == len(oracle.recorder.steps) == STEPS
-    bad = []
-    for step, (g, r, o) in enumerate(zip(got.recorder.steps, ref.recorder.steps, oracle.recorder.steps), 1):
-        assert g.keys() == r.keys() == o.keys()
-        present = {n: t for n, t in o.items() if t is not None}
-        assert len(present) >= 0.9 * len(o) and all(t.abs().max() > 0 for t in present.values())
-        assert all((g[n] is None) == (r[n] is None) == (o[n] is None) for n in o)
-        stock = {n: rel_rms(r[n], t) for n, t in present.items()}
-        median = sorted(stock.values())[len(stock) // 2]
-        for n, t in present.items():
-            mine = rel_rms(g[n], t)
-            if not mine <= 2 * stock[n] + NOISE * median + ROUNDING:
-                bad.append(f"step {step} {n}: {mine:.2e} from float64 (stock {stock[n]:.2e}, median {median:.2e})")
-    assert not bad, "deltafuse's gradients farther from the float64 oracle than stock's fp32 ones allow:\n" + \
-        "\n".join(bad)
+    Measured on CPU with fresh weights and texts, transformers 5.25, 30 draws of each packed case: stock's errors up
+    to 3e-4 at the second step, and up to 0.55 for tiny-moe's A_log (fp32 GDN gate gradients,
+    tests/integrations/test_gradient_accuracy.py), where deltafuse's stay near 1e-6; one draw had deltafuse's
+    second-step gradient of the first layer's qkv LoRA B at 1.4e-4 against stock's 1.3e-5 (the log ratio of the
+    two errors over every parameter and draw: median -0.14 to +0.15 per case, 90th percentile +0.2 to +0.9).
+    deltafuse's largest error at most 0.46 of the bound. g or beta scaled by 1 + 1e-3 inside the GDN gives errors of
+    1e-3 - 6e-3 against medians of 3e-6, beta by 1 + 1e-4 6e-4."""
+    assert_as_accurate(got, ref, got.recorder.steps, ref.recorder.steps, oracle.recorder.steps)
 
 
 # --- SFT, packed and padding-free ----------------------------------------------------------------------------
@@ -161,7 +138,7 @@ def _sft_run(name, tmp_path, *, mode: str, peft: bool, packed: bool, oracle: boo
     from trl import SFTConfig, SFTTrainer
 
     assert mode == "stock" or not oracle
-    model = build_model(name, seed=7).train()
+    model = build_model(name, seed=input_seed("model", 7)).train()
     if peft:
         model = lora(model, seed=8)
     if oracle:
@@ -231,7 +208,7 @@ def test_sft_padded_equals_stock(tmp_path, op_calls):
 def _dpo_run(tmp_path, *, apply: bool):
     from trl import DPOConfig, DPOTrainer
 
-    model = build_model("tiny-moe", seed=11).train()
+    model = build_model("tiny-moe", seed=input_seed("model", 11)).train()
     ref_model = copy.deepcopy(model).eval()
     prompts, chosen, rejected = _texts(12, [6, 11, 3, 9]), _texts(13, [7, 2, 12, 5]), _texts(14, [4, 9, 6, 10])
     dataset = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r}
@@ -261,7 +238,7 @@ def _reward_spread(completion_ids, **kwargs):
 def _grpo_run(tmp_path, *, apply: bool):
     from trl import GRPOConfig, GRPOTrainer
 
-    model = build_model("tiny", seed=21).train()
+    model = build_model("tiny", seed=input_seed("model", 21)).train()
     dataset = Dataset.from_list([{"prompt": p} for p in _texts(22, [5, 9, 3, 7])])
     args = GRPOConfig(output_dir=str(tmp_path / ("deltafuse" if apply else "ref")), per_device_train_batch_size=4,
                       num_generations=4, max_completion_length=4, use_vllm=False, beta=0.0,

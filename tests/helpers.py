@@ -13,6 +13,7 @@ import torch
 
 from deltafuse.backends.probes import triton_interpreting
 from deltafuse.backends.registry import CallInfo, Registry
+from deltafuse.verify import float64
 
 
 # --- random inputs ----------------------------------------------------------------------------------------------
@@ -176,23 +177,8 @@ def npu_route(monkeypatch, torch_npu, register, op):
     return reg, reg.select(op, call)
 
 
-class Float64Everywhere(torch.overrides.TorchFunctionMode):
-    """Inside this mode every request for float32 asks for float64 instead: ``Tensor.float()``, a ``dtype``
-    argument or keyword of ``torch.float32`` (``x.to(torch.float32)``, ``softmax(..., dtype=torch.float32)``).
-
-    transformers' modeling code casts to float32 on purpose (its RMSNorms, the gate ``-A_log.float().exp()``,
-    the torch GDN fallback converts every input with ``.to(torch.float32)``), so a stock model converted with
-    ``.double()`` still computes those parts in float32. Run a float64 copy under this mode to get a float64
-    oracle of the whole model, independent of deltafuse."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.float:
-            return args[0].to(torch.float64)
-        if kwargs.get("dtype") is torch.float32:
-            kwargs["dtype"] = torch.float64
-        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-        return func(*args, **kwargs)
+# a float64 run of a stock model (deltafuse verify uses it too)
+Float64Everywhere = float64.Float64Everywhere
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -31,7 +31,7 @@ OFF = dict(gdn=False, fused_ops=False, moe=False)
 
 
 def _model(name, seed=0, **overrides):
-    return build_model(name, seed=seed, **{**SMALL, **overrides}).train()
+    return build_model(name, seed=input_seed("model", seed), **{**SMALL, **overrides}).train()
 
 
 def _is_moe(model) -> bool:

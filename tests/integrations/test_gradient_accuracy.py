@@ -44,7 +44,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _errors(name: str, seed: int):
     torch.manual_seed(input_seed(seed))
-    model = build_model(name, seed=seed)
+    model = build_model(name, seed=input_seed("model", seed))
     model.config._experts_implementation = "eager"
     oracle = copy.deepcopy(model).double()
     ids = torch.randint(0, model.config.vocab_size, (1, T))

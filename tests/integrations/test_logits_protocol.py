@@ -10,7 +10,7 @@ import deltafuse.ops
 from deltafuse import patching
 from deltafuse.integrations.transformers import adapters_loss as al
 from deltafuse.models import TINY_NAMES, build_model
-from tests.helpers import input_gen
+from tests.helpers import input_gen, input_seed
 from tests.integrations import RTOL, assert_grads_close, grads, rel_max
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -35,7 +35,7 @@ def fused_calls(monkeypatch):
 def _setup(name, seed=0):
     """A model and a batch whose labels are the stock model's own argmax on about half the positions, so the
     token accuracy is far from 0 and 1."""
-    model = build_model(name, seed=seed, **SMALL).train()
+    model = build_model(name, seed=input_seed("model", seed), **SMALL).train()
     gen = input_gen(seed + 1)
     ids = torch.randint(0, 97, (2, 13), generator=gen)
     with torch.no_grad():

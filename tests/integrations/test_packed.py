@@ -94,7 +94,7 @@ CASES = [
 @pytest.mark.parametrize("source,lengths", CASES, ids=[f"{s}-{'x'.join(map(str, map(len, r)))}B{len(r)}"
                                                         for s, r in CASES])
 def test_packed_equals_per_sequence_stock(source, lengths):
-    model = build_model("tiny", seed=3).train()
+    model = build_model("tiny", seed=input_seed("model", 3)).train()
     rows = _rows(lengths, model.config.vocab_size, seed=len(source) + sum(map(sum, lengths)))
     reference = _stock_reference(model, rows)
     loss, logits, got = _run_packed(model, rows, source)
@@ -104,7 +104,7 @@ def test_packed_equals_per_sequence_stock(source, lengths):
 def test_stock_leaks_where_deltafuse_does_not():
     """The comparison above can fail: stock transformers on the same packed batch differs from its own
     per-sequence runs (state leaks through the GDN layers and the conv)."""
-    model = build_model("tiny", seed=4).eval()
+    model = build_model("tiny", seed=input_seed("model", 4)).eval()
     rows = _rows([[12, 20]], model.config.vocab_size, seed=5)
     ids, pos, _, _, _ = packed_inputs(rows)
     with torch.no_grad():
@@ -118,7 +118,7 @@ def test_stock_leaks_where_deltafuse_does_not():
 
 def test_packed_with_eager_attention():
     """transformers builds the packed full-attention mask from position_ids for eager as for sdpa."""
-    model = build_model("tiny", seed=10, attn_implementation="eager").train()
+    model = build_model("tiny", seed=input_seed("model", 10), attn_implementation="eager").train()
     assert model.config._attn_implementation == "eager"
     rows = _rows([[8, 1, 13], [15, 7]], model.config.vocab_size, seed=11)
     reference = _stock_reference(model, rows)
@@ -128,7 +128,7 @@ def test_packed_with_eager_attention():
 
 @pytest.mark.parametrize("name", ["tiny-moe", "tiny-next"])
 def test_packed_other_families(name):
-    model = build_model(name, seed=6).train()
+    model = build_model(name, seed=input_seed("model", 6)).train()
     rows = _rows([[11, 1, 16], [20, 8]], model.config.vocab_size, seed=7)
     reference = _stock_reference(model, rows)
     loss, logits, got = _run_packed(model, rows, "position_ids")
@@ -160,7 +160,7 @@ def test_restarting_positions_mark_boundaries(name, layout):
     """Restarting position_ids separate sequences with an all-ones 2-D mask too, and as [3, B, T] (equal rows)
     or [4, B, T] (text row first): logits, loss and every gradient equal the per-sequence stock runs, in the
     GDN/conv layers and the full-attention layers alike, while stock on the same batch mixes the sequences."""
-    model = build_model(name, seed=21).train()
+    model = build_model(name, seed=input_seed("model", 21)).train()
     rows = _rows([[10, 1, 15], [19, 7]], model.config.vocab_size, seed=22)
     ids, pos, labels, _, _ = packed_inputs(rows)
     kwargs = _layout_kwargs(layout, ids, pos)
@@ -180,7 +180,8 @@ def test_full_attention_alone_is_block_causal():
     """A model of full-attention layers only (no GDN layer to separate anything): with the all-ones mask
     dropped and equal [3, B, T] rows passed as one row, transformers builds its block-causal mask, so the
     logits are the per-sequence ones."""
-    model = build_model("tiny", seed=23, num_hidden_layers=2, layer_types=["full_attention"] * 2).eval()
+    model = build_model("tiny", seed=input_seed("model", 23), num_hidden_layers=2,
+                        layer_types=["full_attention"] * 2).eval()
     rows = _rows([[9, 14, 1]], model.config.vocab_size, seed=24)
     ids, pos, _, _, _ = packed_inputs(rows)
     with torch.no_grad():
@@ -201,7 +202,7 @@ def test_padding_mask_keeps_position_ids_as_positions():
     """A mask with zeros is kept: position_ids are then positions only (as in stock; a left-padded generate
     batch restarts its positions after the padding), each row one sequence, padded tokens masked as in stock;
     a multimodal [3, B, T] whose rows differ is no boundary signal either."""
-    model = build_model("tiny", seed=25).eval()
+    model = build_model("tiny", seed=input_seed("model", 25)).eval()
     gen = input_gen(26)
     ids = torch.randint(0, model.config.vocab_size, (2, 14), generator=gen)
     mask = torch.ones_like(ids)
@@ -226,7 +227,7 @@ def test_padding_mask_keeps_position_ids_as_positions():
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_packed_with_gradient_checkpointing(monkeypatch, reentrant):
     """Boundaries travel in the layers' kwargs, so the recomputation in backward sees the same ones."""
-    model = build_model("tiny", seed=8).train()
+    model = build_model("tiny", seed=input_seed("model", 8)).train()
     rows = _rows([[14, 1, 9], [6, 18]], model.config.vocab_size, seed=9)
     reference = _stock_reference(model, rows)
     calls = record_op_kwarg(monkeypatch, "chunk_gated_delta_rule", "cu_seqlens")
@@ -344,7 +345,7 @@ def test_transformers_padding_free_collator(flash_kwargs, seq_idx):
     """Batches exactly as transformers' DataCollatorWithFlattening builds them."""
     from transformers import DataCollatorWithFlattening
 
-    model = build_model("tiny", seed=12).train()
+    model = build_model("tiny", seed=input_seed("model", 12)).train()
     rows = _rows([[13, 1, 9, 20]], model.config.vocab_size, seed=13)
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs, return_seq_idx=seq_idx)
     batch = collator([{"input_ids": s.tolist()} for s in rows[0]])

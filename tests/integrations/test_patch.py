@@ -468,7 +468,7 @@ def test_object_without_a_supported_model_is_a_clear_error():
 
 def test_accelerate_hooked_forward_is_rebound():
     hooks = pytest.importorskip("accelerate.hooks")
-    model = build_model("tiny", seed=2).eval()
+    model = build_model("tiny", seed=input_seed("model", 2)).eval()
     hooks.add_hook_to_module(model.model, hooks.ModelHook())
     rows = [[torch.randint(0, 512, (n,)) for n in (7, 1, 12)]]
     ids, pos, _, _, _ = packed_inputs(rows)
@@ -578,7 +578,7 @@ def test_stock_fallback_is_unreachable_once_applied(monkeypatch):
 
 
 def test_generation_matches_stock_and_uses_the_decode_ops(monkeypatch):
-    model = build_model("tiny", seed=1).eval()
+    model = build_model("tiny", seed=input_seed("model", 1)).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=input_gen(2))
     kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():
@@ -610,7 +610,7 @@ def test_cached_multi_token_continuation():
         pytest.skip("transformers < 5.9 runs a multi-token chunk after a cache from a zero recurrent state and no "
                     "conv state (its GDN forward passes initial_state=None), stock and patched alike")
 
-    model = build_model("tiny", seed=3).eval()
+    model = build_model("tiny", seed=input_seed("model", 3)).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=input_gen(4))
     cache_kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 

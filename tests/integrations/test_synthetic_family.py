@@ -18,6 +18,7 @@ from deltafuse.integrations.transformers.fused_rows import fused_routes
 from deltafuse.integrations.transformers.gdn_rows import gdn_routes
 from deltafuse.integrations.transformers.patcher import FamilyMap, Patcher
 from deltafuse.integrations.transformers.tiny import TINY_GDN
+from tests.helpers import input_seed
 from tests.integrations import RTOL, assert_same_objects, count_op_calls, packed_inputs, rel_max
 
 PACKAGE = "transformers.models.synth_gdn"
@@ -89,7 +90,7 @@ def test_a_family_from_a_dict_is_patched_computes_and_reverts(synthetic, monkeyp
     fmap = family_map(SPEC)
     monkeypatch.setitem(models.FAMILIES, fmap.family, fmap)
     monkeypatch.setitem(models.NAMED_MODELS, fmap.tiny_name, models.NamedModel(fmap.family, fmap.tiny_config))
-    model = models.build_model("tiny-synth", seed=3).eval()
+    model = models.build_model("tiny-synth", seed=input_seed("model", 3)).eval()
     assert type(model) is synthetic.SynthGdnForCausalLM
     assert models.model_family(model) == "synth_gdn" and models.config_family(model.config) == "synth_gdn"
     assert "SynthGdn causal LMs" in models.supported_families()

@@ -573,7 +573,7 @@ def test_patched_tiny_models_equal_stock_loss_and_every_gradient(name, monkeypat
     from deltafuse.models import build_model
     from tests.ops.test_moe import _adapter
 
-    model = build_model(name, seed=16, vocab_size=97, num_hidden_layers=2,
+    model = build_model(name, seed=input_seed("model", 16), vocab_size=97, num_hidden_layers=2,
                         layer_types=["linear_attention", "full_attention"]).train()
     ids = torch.randint(0, 97, (2, 11), generator=input_gen(17))
     labels = ids.clone()
@@ -662,7 +662,7 @@ def test_loss_adapter_with_peft_lora_on_the_head(dropout, monkeypatch):
     pytest.importorskip("transformers")
     from deltafuse.models import build_model
 
-    model = build_model("tiny", seed=18, vocab_size=97, num_hidden_layers=2,
+    model = build_model("tiny", seed=input_seed("model", 18), vocab_size=97, num_hidden_layers=2,
                         layer_types=["linear_attention", "full_attention"]).train()
     model = peft.inject_adapter_in_model(
         peft.LoraConfig(r=2, target_modules=["lm_head", "out_proj"], lora_dropout=dropout, init_lora_weights=False),

@@ -21,7 +21,7 @@ from deltafuse.ops.gated_delta.kernel_recurrent import (  # noqa: E402
     RecurrentOptions, fused_recurrent_gated_delta_rule_triton, launch_config,
 )
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule  # noqa: E402
-from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, input_gen  # noqa: E402
+from tests.helpers import DEVICE, INTERPRETED, assert_rel_close, input_gen, input_seed  # noqa: E402
 
 if not torch.cuda.is_available() and not isinstance(kr._recurrent_fwd, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("no CUDA and the Triton kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
@@ -291,7 +291,7 @@ def test_generate_with_the_triton_decode_kernel_equals_stock(monkeypatch):
     from deltafuse.integrations.transformers import adapters
     from deltafuse.models import build_model
 
-    model = build_model("tiny", seed=3).eval()
+    model = build_model("tiny", seed=input_seed("model", 3)).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=input_gen(5))
     kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():

@@ -190,6 +190,22 @@ def test_float64_run_that_cannot_be_made_says_why_and_keeps_the_failure(monkeypa
     assert "(a float64 copy of the model could not be made: MemoryError: no room)" in result.format()
 
 
+def test_float64_run_that_fails_says_why_and_keeps_the_failure(monkeypatch):
+    """An op that takes no float64 (or memory running out mid-run): the reason is reported, the failure stands."""
+    _skew_stock_gradient(monkeypatch, "model.layers.0.linear_attn.A_log", -1.0)
+    real = verify._reference
+
+    def no_float64(model, *args):
+        if next(model.parameters()).dtype == torch.float64:
+            raise RuntimeError("no float64 kernel\nsecond line")
+        return real(model, *args)
+
+    monkeypatch.setattr(verify, "_reference", no_float64)
+    result = verify.verify_model("tiny")
+    assert not result.ok and [c.name for c in result.failures] == ["grad model.layers.0.linear_attn.A_log"]
+    assert result.float64 == "the float64 run failed: RuntimeError: no float64 kernel"
+
+
 # --- which criterion each tensor passed on, and the absolute floor's bound ---------------------------------
 def test_compare_names_the_criterion():
     ref = torch.tensor([1e-6, -2e-6, 5e-7], dtype=torch.float64)

@@ -84,7 +84,8 @@ class VerifyResult:
     grad_scale: float = 0.0
     atol_scale: float = 0.0
     floor_rel: float = FLOOR_REL
-    # the float64 run that settles fp32 tensors failing both criteria: "" (none needed), "ran", or why it could not
+    # the float64 run that settles fp32 tensors failing both criteria: "" (none needed), how many it settled, or
+    # why it could not run (the failures then stand)
     float64: str = ""
 
     @property

@@ -2,9 +2,9 @@
 
 The callback run and a stock run start from the same weights and see the same batches; two plain-SGD steps
 without clipping; compared: the logged loss of both steps and every trainable gradient of both steps (against a
-float64 run of stock, as accurate as stock's fp32 ones). The
-patched ops are counted on ``deltafuse.ops`` (where the patched modeling code looks them up), and after
-``train()`` every object a patch row may touch is the one found before.
+float64 run of stock: as accurate as stock's fp32 ones). The patched ops are counted on ``deltafuse.ops`` (where
+the patched modeling code looks them up), and after ``train()`` every object a patch row may touch is the one
+found before.
 """
 
 from __future__ import annotations

@@ -43,10 +43,9 @@ def row(ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tens
 
 
 def build(family: str, seed: int, lora: str | None = None):
-    """``build_model(family)`` with ``seed``; ``lora`` "layers" (r=4 on the attention and GDN projections) or
+    """``build_model(family, seed=seed)``; ``lora`` "layers" (r=4 on the attention and GDN projections) or
     "head" (also on lm_head), both factors random so that every adapter gradient is non-zero."""
-    torch.manual_seed(seed)
-    model = build_model(family)
+    model = build_model(family, seed=seed)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -114,8 +113,7 @@ def run_wrap(family: str, seed: int, inputs: dict, case: dict) -> dict:
 
 
 def run_order(family: str, seed: int, inputs: dict, order: str) -> dict:
-    torch.manual_seed(seed)
-    model = build_model(family)
+    model = build_model(family, seed=seed)
     if order == "apply-then-shard":
         deltafuse.apply(model)
     for layer in model.model.layers:

@@ -17,7 +17,7 @@ from deltafuse.ops.conv1d.kernel import ConvOptions, causal_conv1d_fn_triton, co
 from deltafuse.ops.conv1d.kernel_update import causal_conv1d_update_triton  # noqa: E402
 from deltafuse.ops.conv1d.naive import naive_causal_conv1d  # noqa: E402
 from deltafuse.ops.conv1d.reference import causal_conv1d_fn_torch, causal_conv1d_update_torch  # noqa: E402
-from tests.helpers import DEVICE, assert_rel_close, gpu, input_gen, needs_cuda, rel_rms  # noqa: E402
+from tests.helpers import DEVICE, assert_rel_close, gpu, input_gen, input_seed, needs_cuda, rel_rms  # noqa: E402
 
 if DEVICE == "cpu" and not isinstance(kernel_fwd_bwd.conv_fwd_kernel, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("no CUDA and the kernels were compiled for a GPU (set TRITON_INTERPRET=1 before import)",
@@ -132,11 +132,12 @@ def test_gpu_bf16_qwen35_moe_width(T, packed):
 
 def test_random_configurations_match_torch_reference():
     """Random B, C, T (incl. 1), W in 1..4, layouts, bias, states, activation, boundaries (T = 0: the torch
-    reference raises there without initial states, see test_plain_rows for T = 0 against the oracle). A fresh seed
-    every run (named in a failure's message): eight configurations a run, others the next."""
+    reference raises there without initial states, see test_plain_rows for T = 0 against the oracle), against the
+    torch reference in float64. A fresh seed every run (named in a failure's message; ``--test-seed`` repeats it):
+    eight configurations a run, others the next."""
     import random
 
-    seed = random.SystemRandom().randrange(2**31)
+    seed = input_seed("configurations")
     rng = random.Random(seed)
     gen = input_gen(seed)
     for _ in range(8):
@@ -158,17 +159,36 @@ def test_random_configurations_match_torch_reference():
             cu = torch.tensor([0] + cuts + [T], dtype=torch.int32, device=DEVICE)
         dout = torch.randn(B, C, T, generator=gen).to(DEVICE)
         dfin = torch.randn(B, C, W - 1, generator=gen).to(DEVICE)
-        res = []
-        for fn in (causal_conv1d_fn_triton, causal_conv1d_fn_torch):
-            leaves = [t.to(DEVICE).detach().requires_grad_() if t is not None else None for t in (x, w, b, h0)]
-            out, fin = fn(leaves[0], leaves[1], leaves[2], act, seq_idx=seq, cu_seqlens=cu,
+
+        def run(fn, inputs, activation, dtype, grads_in=(dout, dfin)):
+            leaves = [t.to(DEVICE, dtype).detach().requires_grad_() if t is not None else None for t in inputs]
+            out, fin = fn(leaves[0], leaves[1], leaves[2], activation, seq_idx=seq, cu_seqlens=cu,
                           initial_states=leaves[3], return_final_states=True)
             live = [t for t in leaves if t is not None]
-            grads = torch.autograd.grad((out * dout).sum() + (fin * dfin).sum(), live, allow_unused=True)
-            res.append([out, fin] + [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, live)])
-        for name, a, r in zip(["out", "final", "dx", "dweight", "dbias/dinit", "dinit"], *res):
+            dy, df = (g.to(dtype) for g in grads_in)
+            grads = torch.autograd.grad((out * dy).sum() + (fin * df).sum(), live, allow_unused=True)
+            return [out, fin] + [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, live)]
+
+        got = run(causal_conv1d_fn_triton, (x, w, b, h0), act, torch.float32)
+        want = run(causal_conv1d_fn_torch, (x, w, b, h0), act, torch.float64)
+        # every output and gradient element is a sum of at most B*T + W products: the sums of their magnitudes are
+        # the same run on |inputs| without the activation (SiLU's slope is at most 1.1)
+        mag = run(causal_conv1d_fn_torch, [None if t is None else t.abs() for t in (x, w, b, h0)], None,
+                  torch.float64, (dout.abs(), dfin.abs()))
+        where = f"seed {seed}: B={B} C={C} T={T} W={W} {mode} act={act}"
+        for name, a, r, m in zip(["out", "final", "dx", "dweight", "dbias/dinit", "dinit"], got, want, mag):
             if r.numel():
-                assert_rel_close(a, r, 2e-6, f"{name} (seed {seed}: B={B} C={C} T={T} W={W} {mode} act={act})")
+                _assert_fp32_sum(a, r, 1.1 * m, B * T + W, f"{name} ({where})")
+
+
+def _assert_fp32_sum(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, terms: int, name: str) -> None:
+    """fp32 ``got`` against the float64 ``want``, element by element within the bound of fp32 summation of at
+    most ``terms`` products, (terms + 4) eps times the sum of their magnitudes ``mag``. A relative bound on the
+    result cannot hold for a sum that cancels (dbias of one channel, 6 tokens: 5.1e-6 of itself off float64)."""
+    assert got.shape == want.shape and torch.isfinite(got).all(), name
+    bound = (terms + 4) * torch.finfo(torch.float32).eps * mag
+    over = (got.double() - want).abs() / bound.clamp_min(1e-300)
+    assert (over <= 1).all(), f"{name}: {over.max().item():.2f}x the fp32 summation bound"
 
 
 # --- options: every field of ConvOptions changes what the kernels run and the results stay exact ------------

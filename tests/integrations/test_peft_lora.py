@@ -4,6 +4,8 @@ and the refused cases; the fp32 round trip of the input and the full-width scali
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ peft = pytest.importorskip("peft")
 
 from deltafuse.integrations.peft import lora_plan, wrap_lora_linear_forward  # noqa: E402
 from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
-from tests.helpers import input_gen, input_seed  # noqa: E402
+from tests.helpers import Float64Everywhere, input_gen, input_seed, rel_rms  # noqa: E402
 
 ORIGINAL = LoraLinear.forward
 if hasattr(ORIGINAL, "__deltafuse_wraps__"):
@@ -122,12 +124,12 @@ def test_apply_routes_peft_linear_when_imported():
 def test_tiny_moe_lora_step_under_autocast(monkeypatch):
     """tiny-moe, bf16 weights, LoRA as ``deltafuse train`` adds it (r=16, alpha=32), CPU autocast to bf16: with
     deltafuse applied, the loss and every LoRA gradient are bit-identical with and without the PEFT row, and
-    close to stock transformers (the other rows' fused kernels round differently)."""
+    about as close to a float64 run as stock transformers (the other rows' fused kernels round differently)."""
     import deltafuse
     from deltafuse.models import build_model
     from deltafuse.train.setup import add_lora, lora_targets
 
-    model = build_model("tiny-moe", dtype=torch.bfloat16)
+    model = build_model("tiny-moe", dtype=torch.bfloat16, seed=input_seed("model"))
     model = add_lora(model, r=16, alpha=32, dropout=0.0, targets=lora_targets(model, None, False), experts=False)
     model.train()
     gen = input_gen(3)
@@ -136,14 +138,18 @@ def test_tiny_moe_lora_step_under_autocast(monkeypatch):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen)
+    oracle = copy.deepcopy(model).double()
+    oracle.config._experts_implementation = "eager"
 
-    def step():
+    def step(model=model, autocast=True):
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
+    with Float64Everywhere():
+        exact = step(oracle, autocast=False)
     stock = step()
     deltafuse.apply(model)
     try:
@@ -159,7 +165,19 @@ def test_tiny_moe_lora_step_under_autocast(monkeypatch):
     for name, g in peft_own[1].items():
         assert torch.equal(lean[1][name], g), name
     assert abs(float(lean[0]) - float(stock[0])) <= 2e-2 * abs(float(stock[0]))
+    # against a float64 run of the same weights, as close as stock: the two runs' bf16 errors are heavy-tailed
+    # per gradient (a fixed 5e-2 between them failed 2 draws of 10; over 26 draws the median ratio of deltafuse's
+    # error to stock's was 0.70 - 1.10 and the worst single one 2.6x, 6.4e-2 against 2.4e-2; with the GDN, fused or
+    # MoE rows off the spread was the same), so each gradient is held to 5x stock's error plus three bf16
+    # roundings, and the median ratio to 1.5
+    eps = 2.0 ** -8
+    bad, ratios = [], []
     for name, g in stock[1].items():
         assert g.float().norm() > 0, name
-        err = (lean[1][name].float() - g.float()).norm() / g.float().norm()
-        assert err < 5e-2, (name, float(err))
+        mine, theirs = rel_rms(lean[1][name], exact[1][name]), rel_rms(g, exact[1][name])
+        ratios.append(mine / theirs)
+        if not mine <= 5 * theirs + 3 * eps:
+            bad.append(f"{name}: {mine:.2e} from float64 (stock {theirs:.2e})")
+    assert not bad, "\n".join(bad)
+    median = sorted(ratios)[len(ratios) // 2]
+    assert median <= 1.5, f"median error ratio to stock's {median:.2f}"

@@ -57,7 +57,7 @@ def _run(model, ids, labels, weights, ent_weights):
 def test_tiny_model_matches_trl_and_calls_deltafuse(spy, frozen_head):
     """A frozen head (LoRA) is served by ops.token_logprobs; a trainable one by TRL's function (faster there)."""
     torch.manual_seed(input_seed(0))
-    model = build_model("tiny")
+    model = build_model("tiny", seed=input_seed("model"))
     model.lm_head.weight.requires_grad_(not frozen_head)
     trl_utils.add_fused_lm_head(model, outputs=FIELDS)
     batch = _batch(model.config.vocab_size, seed=1)

@@ -178,7 +178,7 @@ def npu_route(monkeypatch, torch_npu, register, op):
 
 
 # a float64 run of a stock model (deltafuse verify uses it too)
-Float64Everywhere = float64.Float64Everywhere
+Float64Everywhere, float64_copy = float64.Float64Everywhere, float64.float64_copy
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -395,21 +395,18 @@ def _settle_with_float64(result: VerifyResult, model, call, rows, device, baseli
     ("float64") when deltafuse's result is no farther from the float64 one than stock's, or within rtol of it
     (``rel`` metric, float64 as the reference). ``ours`` / ``stock``: name -> tensor, as compared. The copy costs
     twice the model's fp32 memory, so it runs only when needed; where it cannot, ``result.float64`` says why."""
-    import copy
-
     from deltafuse.integrations.transformers import stock as stock_paths
-    from deltafuse.verify.float64 import Float64Everywhere
+    from deltafuse.verify.float64 import Float64Everywhere, float64_copy
 
     failed = [c for c in result.comparisons if not c.ok and c.name in ours]
     if not failed:
         return
     try:
-        oracle = copy.deepcopy(model).double()
+        oracle = float64_copy(model)
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
         result.float64 = f"a float64 copy of the model could not be made: {type(exc).__name__}: {exc}".splitlines()[0]
         return
     try:
-        oracle.config._experts_implementation = "eager"  # torch's grouped_mm takes no float64
         # FLA / causal-conv1d take no float64: transformers' own pure-torch GDN functions, as the fp32 baseline may
         problems = stock_paths.stock_fast_path_problems(oracle, device, torch.float64, needs_grad=True)
         swap = (stock_paths.stock_torch_baseline(oracle, deltafuse_applied=baseline_applied) if problems

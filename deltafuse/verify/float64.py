@@ -22,3 +22,13 @@ class Float64Everywhere(torch.overrides.TorchFunctionMode):
             kwargs["dtype"] = torch.float64
         args = tuple(torch.float64 if a is torch.float32 else a for a in args)
         return func(*args, **kwargs)
+
+
+def float64_copy(model):
+    """A float64 copy of ``model`` for a run under ``Float64Everywhere``; its MoE experts compute eagerly (torch's
+    grouped_mm takes no float64). ``model`` itself is left as it is."""
+    import copy
+
+    oracle = copy.deepcopy(model).double()
+    oracle.config._experts_implementation = "eager"
+    return oracle

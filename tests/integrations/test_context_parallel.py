@@ -13,14 +13,13 @@ gathered keys (lower-right causal, no mask tensor on CUDA) is checked against a 
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
 import torch
 
 from deltafuse.models import build_model
-from tests.helpers import Float64Everywhere, input_seed, rel_rms, run_two_ranks
+from tests.helpers import Float64Everywhere, float64_copy, input_seed, rel_rms, run_two_ranks
 from tests.integrations import assert_grads_close, packed_inputs, per_sequence_stock, rel_max
 from tests.integrations.context_parallel_worker import build_case_model
 
@@ -42,11 +41,10 @@ def _reference(family: str, seed: int, rows, lora: bool = False, exact: bool = T
     """Stock's per-sequence run (loss, logits, gradients) and, when ``exact``, its logits in float64 (a float64 copy
     computed in float64 throughout, tests/helpers.py ``Float64Everywhere``; eager MoE experts)."""
     model = build_case_model(family, seed, lora)
-    oracle = copy.deepcopy(model).double() if exact else None
+    oracle = float64_copy(model) if exact else None  # before the run leaves gradients in the model
     loss, logits = per_sequence_stock(model, rows)
     want = None
     if exact:
-        oracle.config._experts_implementation = "eager"
         with Float64Everywhere():
             want = per_sequence_stock(oracle, rows)[1]
     return loss.item(), logits, want, {n: p.grad for n, p in model.named_parameters()}

@@ -19,14 +19,14 @@ import torch
 from deltafuse import patching
 from deltafuse.models import build_model
 from deltafuse.ops.gated_delta.naive import naive_gated_delta_rule
-from tests.helpers import Float64Everywhere, input_seed
+from tests.helpers import FP32_ROUNDING, Float64Everywhere, input_seed
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
 
 T = 256
 # fp32 rounding of a gradient through four layers: errors below this are rounding noise whose ratio between
 # two implementations means nothing (the norm weights of both sit at 3e-7 - 9e-7)
-ROUNDING = 16 * torch.finfo(torch.float32).eps
+ROUNDING = FP32_ROUNDING
 
 
 def _grads(model, ids, weights, mode=None):

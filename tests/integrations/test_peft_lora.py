@@ -4,8 +4,6 @@ and the refused cases; the fp32 round trip of the input and the full-width scali
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ peft = pytest.importorskip("peft")
 
 from deltafuse.integrations.peft import lora_plan, wrap_lora_linear_forward  # noqa: E402
 from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
-from tests.helpers import Float64Everywhere, input_gen, input_seed, rel_rms  # noqa: E402
+from tests.helpers import Float64Everywhere, float64_copy, input_gen, input_seed, rel_rms  # noqa: E402
 
 ORIGINAL = LoraLinear.forward
 if hasattr(ORIGINAL, "__deltafuse_wraps__"):
@@ -138,8 +136,7 @@ def test_tiny_moe_lora_step_under_autocast(monkeypatch):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen)
-    oracle = copy.deepcopy(model).double()
-    oracle.config._experts_implementation = "eager"
+    oracle = float64_copy(model)
 
     def step(model=model, autocast=True):
         model.zero_grad(set_to_none=True)

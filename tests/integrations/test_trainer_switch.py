@@ -18,7 +18,7 @@ from deltafuse import ops, patching
 from deltafuse.maps import PATCHER
 from deltafuse.integrations.trainer import DeltafuseCallback
 from deltafuse.models import build_model
-from tests.helpers import Float64Everywhere, fp32_gradient_errors, input_gen, input_seed
+from tests.helpers import Float64Everywhere, float64_copy, fp32_gradient_errors, input_gen, input_seed
 from tests.integrations import RTOL, assert_grads_close, assert_same_objects, snapshot
 
 pytestmark = pytest.mark.usefixtures("clean_deltafuse")
@@ -141,8 +141,7 @@ def _hf_run(name, tmp_path, *, callback, peft: bool, oracle: bool = False):
     if peft:
         model = lora(model, seed=6)
     if oracle:
-        model.config._experts_implementation = "eager"  # torch's grouped_mm takes no float64
-        model = model.double()
+        model = float64_copy(model)
     data = Rows(4, 24, model.config.vocab_size, seed=7)
     recorder = grad_recorder()
     callbacks = [recorder] + ([callback] if callback is not None else [])

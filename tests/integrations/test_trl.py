@@ -36,7 +36,7 @@ from deltafuse.maps import PATCHER  # noqa: E402
 from deltafuse.integrations.trainer import DeltafuseCallback  # noqa: E402
 from deltafuse.models import build_model  # noqa: E402
 from deltafuse.train.tokenizer import build_byte_tokenizer  # noqa: E402
-from tests.helpers import Float64Everywhere, input_gen, input_seed  # noqa: E402
+from tests.helpers import Float64Everywhere, float64_copy, input_gen, input_seed  # noqa: E402
 from tests.integrations import assert_same_objects, snapshot  # noqa: E402
 from tests.integrations.test_trainer_switch import (STEPS, assert_as_accurate, assert_same_training,  # noqa: E402
                                                      grad_recorder, lora, op_calls,  # noqa: F401 (op_calls: a fixture)
@@ -142,8 +142,7 @@ def _sft_run(name, tmp_path, *, mode: str, peft: bool, packed: bool, oracle: boo
     if peft:
         model = lora(model, seed=8)
     if oracle:
-        model.config._experts_implementation = "eager"  # torch's grouped_mm takes no float64
-        model = model.double()
+        model = float64_copy(model)
     # 12 sequences of 1..14 tokens (bytes + EOS), a length-1 one (empty text) included: 3 packed rows of <= 32
     texts = _texts(9, [0, 13, 5, 9, 2, 11, 7, 4, 6, 10, 3, 8])
     dataset = Dataset.from_list([{"text": t} for t in texts])

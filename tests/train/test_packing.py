@@ -7,15 +7,13 @@ the first one can fail.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from deltafuse.models import TINY_NAMES, build_model
 from deltafuse.train import data, packing
 from deltafuse.train.tokenizer import build_byte_tokenizer
-from tests.helpers import Float64Everywhere, fp32_gradient_errors, input_seed
+from tests.helpers import Float64Everywhere, float64_copy, fp32_gradient_errors, input_seed
 
 ROWS = [{"prompt": "Ava has 3 apples and buys 4 more. How many?", "completion": "3 + 4 = <<3+4=7>>7\n#### 7"},
         {"prompt": "2*6?", "completion": "#### 12"},
@@ -53,10 +51,8 @@ def loss_and_grads(model, batch):
 def padded_references(model, padded):
     """The padded batch's gradients in float64 (a float64 copy of the stock model computed in float64 throughout,
     tests/helpers.py ``Float64Everywhere``, eager MoE experts) and in fp32 with stock transformers."""
-    oracle = copy.deepcopy(model).double()
-    oracle.config._experts_implementation = "eager"
     with Float64Everywhere():
-        want = loss_and_grads(oracle, padded)[1]
+        want = loss_and_grads(float64_copy(model), padded)[1]
     return want, loss_and_grads(model, padded)[1]
 
 

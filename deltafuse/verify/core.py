@@ -115,8 +115,10 @@ class _Routing:
             h.remove()
 
     def start(self, mode: str | None) -> None:
+        """``record`` (stock's run), ``compare`` (the deltafuse run: count, and pin when ``pin``), ``pin`` (another
+        forward of the same tokens: pin when ``pin``, count nothing) or None (hooks idle)."""
         self.mode = mode
-        if mode == "compare":
+        if mode in ("compare", "pin"):
             self.reference = {n: torch.cat(v) if v else None for n, v in self.stock.items()}
             self.cursor = {n: 0 for n in self.stock}
 
@@ -143,7 +145,7 @@ class _Routing:
             ref = ref.to(idx.device)
             differ = (idx.sort(-1).values != ref.sort(-1).values).any(-1)
             n = int(differ.sum())
-            if not again:
+            if not again and self.mode == "compare":
                 self.counts[name][0] += n
                 self.counts[name][1] += idx.shape[0]
             if not (n and self.pin):
@@ -455,12 +457,14 @@ def _verify(model, name_or_path, family, packed, device, dtype, rtol, generator,
         routing.start("compare")
         out = model(**call)
         out.loss.backward()
-        routing.start(None)
         logits = out.logits
         if logits is None:
-            # the fused loss (fused_ops) returns no logits when training; an evaluation call returns them
+            # the fused loss (fused_ops) returns no logits when training; an evaluation call returns them, its
+            # tokens routed as the compared run's were (in 16 bits pinned to stock's experts) and not counted again
+            routing.start("pin")
             with torch.no_grad():
                 logits = model(**call).logits
+        routing.start(None)
     loss, logits = out.loss.detach(), logits.detach()
     grads = _param_grads(model)
     model.zero_grad(set_to_none=True)

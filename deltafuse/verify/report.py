@@ -10,10 +10,11 @@ A tensor passes on one of two criteria, and the report says which:
   The ``rel <= FLOOR_REL`` bound keeps the floor from passing a result that does not resolve the reference at
   all: without it a gradient set to zero passed whenever stock's was below the floor (in 16-bit runs, whose
   floor is 1e-3 of the largest gradient, the ``A_log`` / ``dt_bias`` gradients of most GDN layers).
-* ``float64`` (fp32 runs only, for a tensor that failed both): a float64 run of the stock model settles it. The
-  tensor passes when deltafuse's result is no farther from the float64 one (the same ``rel`` metric) than
-  stock's is, or within ``rtol`` of it. Stock's own fp32 result can be the inaccurate one: its torch GDN's gate
-  gradients were 1.5x and 1.9x their own size from float64 on one fresh tiny-moe model, deltafuse's 4e-6.
+* ``float64`` (for a tensor that failed both): a float64 run of the stock model settles it. The tensor passes
+  when deltafuse's result is no farther from the float64 one (the same ``rel`` metric) than stock's is (in 16
+  bits 1.5x stock's: both carry their own roundings), or within ``rtol`` of it. Stock's own result can be the
+  inaccurate one: its torch GDN's gate gradients were 1.5x and 1.9x their own size from float64 on one fresh
+  tiny-moe model in fp32 (deltafuse's 4e-6), up to 1.8x on fresh tiny models in bf16.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ import torch
 # (H200 fp32, tiny packed: A_log / dt_bias of layer 0, whose stock values are 1.7x the floor itself)
 FLOOR_REL = 0.5
 CRITERIA = ("rel", "floor", "float64", "both None", "empty")
+# a tensor that failed rel and the floor passes on a float64 run of stock when deltafuse's result is no farther
+# from it than F64_SLACK times stock's. fp32: no farther at all. 16 bits: both runs carry their own roundings of
+# about the same size, so the two errors of one tensor scatter around each other. On CPU (tiny, tiny-moe,
+# tiny-next; bf16 and fp16; 37 fresh models) the ratio ours / stock of the gradients where either was over 5e-2
+# from float64 ranged 0.01-1.19; 5 such gradients had failed, all GDN gate gradients that stock resolved no
+# better (0.54-1.8 of their size from float64, ours 0.015-1.0). A zeroed gradient (1.0 from float64) still fails
+# wherever stock's is within 0.67 of it; on 8 fresh tiny models stock's gate gradients were
+# 0.1-9 % off in bf16
+F64_SLACK = {torch.float32: 1.0, torch.bfloat16: 1.5, torch.float16: 1.5}
 
 
 @dataclass
@@ -43,7 +53,7 @@ class Comparison:
     # the criterion it passed on: "rel", "floor" (the absolute floor), "both None" (no gradient on either side),
     # "empty"; "" when it failed
     passed_on: str = ""
-    # against the float64 run (fp32 runs, tensors that failed rel and floor): deltafuse's rel and stock's
+    # against the float64 run (tensors that failed rel and floor): deltafuse's rel and stock's
     f64_rel: float | None = None
     stock_f64_rel: float | None = None
 
@@ -132,8 +142,10 @@ class VerifyResult:
                 "  a gradient small against the largest one (vs largest; A_log, dt_bias: sums of terms that cancel) "
                 "carries the rounding of what it sums; loss and logits have no floor"]
         if self.float64:
-            lines.append(f"  or, in fp32, for a tensor that fails both: deltafuse no farther from a float64 run of "
-                         f"stock than stock's fp32 result is, or within rel {self.rtol:g} of it ({self.float64})")
+            slack = F64_SLACK.get(getattr(torch, self.dtype, None), 1.0)
+            than = "stock's result is" if slack == 1.0 else f"{slack:g}x stock's {self.dtype} result"
+            lines.append(f"  or, for a tensor that fails both: deltafuse no farther from a float64 run of stock than "
+                         f"{than}, or within rel {self.rtol:g} of it ({self.float64})")
         return lines
 
     def _relative_size(self, c: Comparison) -> str:
@@ -147,6 +159,8 @@ class VerifyResult:
                 return f"float64 (deltafuse {c.f64_rel:.1e} from it, stock {c.stock_f64_rel:.1e})"
             return {"rel": "rel", "floor": "floor", "both None": "yes (no grad on either side)",
                     "empty": "yes (empty)"}[c.passed_on]
+        if c.f64_rel is not None:
+            return f"NO (float64: deltafuse {c.f64_rel:.1e} from it, stock {c.stock_f64_rel:.1e})"
         if math.isfinite(c.max_abs) and c.max_abs <= self.atol and c.name.startswith("grad "):
             return f"NO (within the floor, but rel > {self.floor_rel:g})"
         return "NO"
@@ -167,8 +181,8 @@ class VerifyResult:
                          f"{self.atol:.3g} only ({span})")
         exact = self.passed_on("float64")
         if exact:
-            parts.append(f"{len(exact)} as close to a float64 run of stock as stock's fp32 result or closer ("
-                         + ", ".join(f"{c.name} {c.f64_rel:.1e} vs stock's {c.stock_f64_rel:.1e}"
+            parts.append(f"{len(exact)} settled by a float64 run of stock (distance from it, deltafuse's vs stock's: "
+                         + ", ".join(f"{c.name} {c.f64_rel:.1e} vs {c.stock_f64_rel:.1e}"
                                      for c in exact[:4])
                          + (f" and {len(exact) - 4} more" if len(exact) > 4 else "") + ")")
         others = len(self.passed_on("both None")) + len(self.passed_on("empty"))

@@ -278,9 +278,11 @@ def test_the_public_op_refuses_an_impossible_in_place(bad, match):
 
 # --- a decoding model --------------------------------------------------------------------------------------------
 def _recurrent_states(cache, layers):
-    if hasattr(cache, "get_recurrent_state"):  # transformers 5.15+
+    if hasattr(cache, "get_recurrent_state"):  # transformers with the cache's accessor
         return [cache.get_recurrent_state(i) for i in layers]
-    return [cache.layers[i].recurrent_states for i in layers]  # older releases
+    # older releases: the layer's tensor, or (5.16-5.17, layers that may hold several) a dict by state index
+    states = [cache.layers[i].recurrent_states for i in layers]
+    return [s[0] if isinstance(s, dict) else s for s in states]
 
 
 def test_generate_with_the_triton_decode_kernel_equals_stock(monkeypatch):
@@ -291,8 +293,8 @@ def test_generate_with_the_triton_decode_kernel_equals_stock(monkeypatch):
     from deltafuse.integrations.transformers import adapters
     from deltafuse.models import build_model
 
-    model = build_model("tiny", seed=input_seed("model", 3)).eval()
-    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=input_gen(5))
+    model = build_model("tiny", seed=input_seed("model", 3)).to(DEVICE).eval()  # a GPU's Triton needs CUDA tensors
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=input_gen(5)).to(DEVICE)
     kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)

@@ -214,11 +214,13 @@ def test_float64_run_settles_16_bit_tensors_routed_as_stock(monkeypatch, dtype):
 def test_16_bit_verify_passes_on_fresh_models(name, dtype):
     """Healthy deltafuse on a fresh model passes in 16 bits. Before the float64 run settled 16-bit tensors, 2 of 6
     fresh tiny models failed in bf16 (seeds 12, 13): a layer's dt_bias / A_log gradients, which stock's bf16 run
-    left 1.2x-1.8x their own size from float64."""
+    left 1.2x-1.8x their own size from float64. With that run, one draw in CI (transformers 5.9) still failed on
+    an A_log gradient under the floor that neither run resolved (``test_float64_verdict``)."""
     result = verify.verify_model(name, dtype=dtype, seed=input_seed("seed") % 100_000)
     assert result.ok, result.format()
-    assert all(c.f64_rel <= max(verify.F64_SLACK[verify.DTYPES[dtype]] * c.stock_f64_rel, result.rtol)
-               for c in result.passed_on("float64"))
+    for c in result.passed_on("float64"):  # closer than stock, or unresolved and within the floor of float64
+        assert (c.f64_rel <= max(verify.F64_SLACK[verify.DTYPES[dtype]] * c.stock_f64_rel, result.rtol)
+                or (c.unresolved and c.f64_abs <= result.atol)), c
 
 
 def test_float64_run_that_cannot_be_made_says_why_and_keeps_the_failure(monkeypatch):
@@ -248,6 +250,41 @@ def test_float64_run_that_fails_says_why_and_keeps_the_failure(monkeypatch):
     result = verify.verify_model("tiny")
     assert not result.ok and [c.name for c in result.failures] == ["grad model.layers.0.linear_attn.A_log"]
     assert result.float64 == "the float64 run failed: RuntimeError: no float64 kernel"
+
+
+@pytest.mark.parametrize("case, args, verdict", [
+    # an H100's fp32 run of a fresh tiny-moe model: a layer's dt_bias gradient (1.5e-7 of the largest), stock's
+    # 2.1x its size from float64, deltafuse's 3.2x (1.9e-8 from it) against a floor of 3.9e-8: unresolved by both
+    ("unresolved by both", (3.2, 1.9e-8, 2.1, 1.0, 2e-3, 3.9e-8), "unresolved"),
+    ("closer than stock", (0.015, 1e-9, 1.16, 1.5, 5e-2, 4e-5), "closer"),
+    ("within 1.5x stock in 16 bits", (1.4, 1e-3, 1.0, 1.5, 5e-2, 4e-5), "closer"),
+    ("within rtol of float64", (1e-3, 1e-9, 1e-4, 1.0, 2e-3, 3.9e-8), "closer"),
+    # stock resolves it (a quarter of its size off): deltafuse's worse result fails however small
+    ("stock resolves it", (0.6, 1e-9, 0.25, 1.0, 2e-3, 3.9e-8), ""),
+    # a zeroed gradient is 1.0 from float64: it fails where stock is closer, and above the floor
+    ("zero, stock closer", (1.0, 1e-9, 0.05, 1.5, 5e-2, 4e-5), ""),
+    ("zero, above the floor", (1.0, 1e-4, 0.9, 1.0, 2e-3, 3.9e-8), ""),
+    ("loss or logits: no floor", (3.2, 1e-9, 2.1, 1.0, 2e-3, 0.0), ""),
+    # a fresh tiny model in bf16 (transformers 5.9): one element of a layer's A_log gradient (the tensor 8.2e-7,
+    # under the floor of 4.2e-5) at +5.3e-7 in deltafuse's run, -1.5e-7 in stock's, -3.2e-7 in float64
+    ("under the floor, unresolved by the run", (1.05, 8.6e-7, 0.21, 1.5, 5e-2, 4.2e-5, 8.2e-7), "unresolved"),
+    ("over the floor, stock resolves it", (1.05, 8.6e-7, 0.21, 1.5, 5e-2, 4.2e-7, 8.2e-7), ""),
+    ("dropped: all zeros where float64 is not", (1.0, 8.2e-7, 0.21, 1.5, 5e-2, 4.2e-5, 8.2e-7, True), ""),
+    ("dropped, stock unresolved too", (1.0, 1.9e-8, 2.1, 1.0, 2e-3, 3.9e-8, 1.9e-8, True), ""),
+])
+def test_float64_verdict(case, args, verdict):
+    assert verify_report.float64_verdict(*args) == verdict, case
+
+
+def test_unresolved_gradient_is_reported_as_such():
+    c = verify_report.Comparison("grad model.layers.0.linear_attn.dt_bias", 1.0e-8, 1.75, True, (4,), 5.8e-9,
+                                 "float64", f64_rel=3.2, stock_f64_rel=2.1, f64_abs=1.9e-8, unresolved=True)
+    result = verify.VerifyResult("toy", None, False, "cuda", "float32", 2e-3, 3.9e-8, "-", comparisons=[c],
+                                 float64="a float64 run judged 1 tensor(s) that failed both, 1 passed")
+    text = result.format()
+    assert "float64, unresolved (stock 2.1e+00 of its size from it; deltafuse 1.9e-08 from it, within the floor)" in text
+    assert text.splitlines()[-1].startswith("PASS: ") and "(unresolved, within the floor)" in text.splitlines()[-1]
+    assert json.loads(json.dumps(result.to_dict()))["comparisons"][0]["unresolved"] is True
 
 
 # --- which criterion each tensor passed on, and the absolute floor's bound ---------------------------------

@@ -53,7 +53,7 @@ def float64_verdict(mine: float, mine_abs: float, theirs: float, slack: float, r
     result is over FLOOR_REL of the float64 one's size from it or the float64 one is itself under the floor
     (``exact_max <= atol``), and deltafuse's is within the floor of it (``mine_abs <= atol``: the floor's test,
     against the exact value instead of stock's); "" when it still fails, and always when deltafuse's is all zeros
-    where the float64 one, rounded to the run's dtype, is not (``lost``: a dropped gradient).
+    where the float64 one reaches the run's dtype's normal range (``lost``: a dropped gradient, not an underflow).
 
     Measured: an H100's fp32 run of a fresh tiny-moe model left a layer's A_log / dt_bias gradients (1.5e-7 and
     2.6e-7 of the largest gradient) 2.1x and 2.3x their size from float64 in stock's run and 3.2x and 3.4x in
@@ -64,7 +64,9 @@ def float64_verdict(mine: float, mine_abs: float, theirs: float, slack: float, r
     test_autocast.py: over 40 CPU draws the median ratio of deltafuse's error to stock's was 0.82-0.96)."""
     if lost:
         return ""
-    if mine <= max(slack * theirs, rtol):
+    # a non-finite stock result (an fp16 backward that overflowed) bounds nothing: deltafuse's is then judged by
+    # rtol, or as unresolved
+    if mine <= max(slack * theirs if math.isfinite(theirs) else 0.0, rtol):
         return "closer"
     if atol > 0 and (theirs > FLOOR_REL or exact_max <= atol) and mine_abs <= atol:
         return "unresolved"
@@ -129,6 +131,9 @@ class VerifyResult:
     # the float64 run that settles tensors failing both criteria: "" (none needed), how many it judged and passed, or
     # why it could not run (the failures then stand)
     float64: str = ""
+    # the absolute floor the float64 run judged gradients by: atol, or where stock's gradients overflowed (an fp16
+    # backward: atol is then NaN) atol_scale times the float64 run's largest gradient value
+    f64_atol: float | None = None
 
     @property
     def rerouted(self) -> int:

@@ -399,10 +399,11 @@ def _reference(model, call, rows, device):
 
 def _settle_with_float64(result: VerifyResult, model, call, rows, device, baseline_applied: bool,
                          ours: dict, stock: dict, dtype: torch.dtype, routing: _Routing) -> None:
-    """A float64 run of the stock model decides the tensors that failed both criteria. Each passes ("float64")
-    when deltafuse's result is no farther from the float64 one than F64_SLACK[dtype] times stock's, or within
-    rtol of it (``rel`` metric, float64 as the reference). ``ours`` / ``stock``: name -> tensor, as compared. In
-    16 bits the float64 run takes stock's experts (``routing``), as the deltafuse run did. The copy costs twice
+    """A float64 run of the stock model decides the tensors that failed both criteria, by ``float64_verdict``:
+    each passes ("float64") when deltafuse's result is no farther from the float64 one than F64_SLACK[dtype] times
+    stock's, or within rtol of it (``rel`` metric, float64 as the reference), or, as a gradient this precision does
+    not resolve, within the floor of it (``result.f64_atol``). ``ours`` / ``stock``: name -> tensor, as compared.
+    In 16 bits the float64 run takes stock's experts (``routing``), as the deltafuse run did. The copy costs twice
     the model's fp32 memory (four times its 16-bit memory), so it runs only when needed; where it cannot,
     ``result.float64`` says why."""
     from deltafuse.integrations.transformers import stock as stock_paths

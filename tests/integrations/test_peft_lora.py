@@ -119,18 +119,36 @@ def test_apply_routes_peft_linear_when_imported():
     assert LoraLinear.forward is ORIGINAL
 
 
+# Draws of weights and tokens for the tiny-moe step. The per-gradient error ratios to stock's move together within a
+# draw (one rounding path dominates the step), so a draw's median over its 26 gradients is one sample, not 26:
+# measured over 80 fresh draws (transformers 5.9 and 5.25) it spans 0.30 - 1.80, log standard deviation 0.3, geometric
+# mean 0.95, and 3 of the 80 exceed 1.5. The median over MOE_DRAWS draws is held to 1.5. Resampling the 80 draws, a
+# healthy run fails it 6e-5 of the time, and a deltafuse whose gradients were all twice as far from float64 99 %.
+MOE_DRAWS = 7
+MOE_MEDIAN = 1.5
+
+
 def test_tiny_moe_lora_step_under_autocast(monkeypatch):
     """tiny-moe, bf16 weights, LoRA as ``deltafuse train`` adds it (r=16, alpha=32), CPU autocast to bf16: with
     deltafuse applied, the loss and every LoRA gradient are bit-identical with and without the PEFT row, and
     about as close to a float64 run as stock transformers (the other rows' fused kernels round differently)."""
+    medians = [_tiny_moe_lora_draw(monkeypatch, draw) for draw in range(MOE_DRAWS)]
+    median = sorted(medians)[MOE_DRAWS // 2]
+    assert median <= MOE_MEDIAN, (f"median over {MOE_DRAWS} draws of the median error ratio to stock's "
+                                  f"{median:.2f} > {MOE_MEDIAN} (draws: {', '.join(f'{m:.2f}' for m in medians)})")
+
+
+def _tiny_moe_lora_draw(monkeypatch, draw) -> float:
+    """One draw of weights and tokens: asserts the bit-identity, the loss and every gradient's bound; returns the
+    median over the LoRA gradients of deltafuse's error against float64 over stock's."""
     import deltafuse
     from deltafuse.models import build_model
     from deltafuse.train.setup import add_lora, lora_targets
 
-    model = build_model("tiny-moe", dtype=torch.bfloat16, seed=input_seed("model"))
+    model = build_model("tiny-moe", dtype=torch.bfloat16, seed=input_seed("model", draw))
     model = add_lora(model, r=16, alpha=32, dropout=0.0, targets=lora_targets(model, None, False), experts=False)
     model.train()
-    gen = input_gen(3)
+    gen = input_gen("inputs", draw)
     with torch.no_grad():  # PEFT starts B at zero (A's gradients would be zero): random B, every gradient non-zero
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -163,10 +181,9 @@ def test_tiny_moe_lora_step_under_autocast(monkeypatch):
         assert torch.equal(lean[1][name], g), name
     assert abs(float(lean[0]) - float(stock[0])) <= 2e-2 * abs(float(stock[0]))
     # against a float64 run of the same weights, as close as stock: the two runs' bf16 errors are heavy-tailed
-    # per gradient (a fixed 5e-2 between them failed 2 draws of 10; over 26 draws the median ratio of deltafuse's
-    # error to stock's was 0.70 - 1.10 and the worst single one 2.6x, 6.4e-2 against 2.4e-2; with the GDN, fused or
-    # MoE rows off the spread was the same), so each gradient is held to 5x stock's error plus three bf16
-    # roundings, and the median ratio to 1.5
+    # per gradient (a fixed 5e-2 between them failed 2 draws of 10; over 80 draws the largest single ratio of
+    # deltafuse's error to stock's was 2.7; with the GDN, fused or MoE rows off the spread was the same), so each
+    # gradient is held to 5x stock's error plus three bf16 roundings
     eps = 2.0 ** -8
     bad, ratios = [], []
     for name, g in stock[1].items():
@@ -175,6 +192,5 @@ def test_tiny_moe_lora_step_under_autocast(monkeypatch):
         ratios.append(mine / theirs)
         if not mine <= 5 * theirs + 3 * eps:
             bad.append(f"{name}: {mine:.2e} from float64 (stock {theirs:.2e})")
-    assert not bad, "\n".join(bad)
-    median = sorted(ratios)[len(ratios) // 2]
-    assert median <= 1.5, f"median error ratio to stock's {median:.2f}"
+    assert not bad, f"draw {draw}:\n" + "\n".join(bad)
+    return sorted(ratios)[len(ratios) // 2]

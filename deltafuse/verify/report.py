@@ -1,6 +1,6 @@
 """The result of ``deltafuse verify``: one comparison per tensor, and the text / JSON report.
 
-A tensor passes on one of two criteria, and the report says which:
+A tensor passes on one of three criteria, and the report says which:
 
 * ``rel``: ``max|a - b| / max|b| <= rtol`` (a = deltafuse, b = stock);
 * ``floor`` (parameter gradients only): ``max|a - b| <= atol``, the absolute floor (a fixed fraction of the
@@ -182,7 +182,9 @@ class VerifyResult:
             slack = F64_SLACK.get(getattr(torch, self.dtype, None), 1.0)
             than = "stock's result is" if slack == 1.0 else f"{slack:g}x stock's {self.dtype} result"
             lines.append(f"  or, for a tensor that fails both: deltafuse no farther from a float64 run of stock than "
-                         f"{than}, or within rel {self.rtol:g} of it ({self.float64})")
+                         f"{than}, or within rel {self.rtol:g} of it, or, for a gradient the run's precision does not "
+                         f"resolve (stock over {self.floor_rel:g} of its size from float64, or float64 under the "
+                         f"floor), within the floor of float64 ({self.float64})")
         return lines
 
     def _relative_size(self, c: Comparison) -> str:

@@ -549,6 +549,13 @@ def test_candidate_rules():
         assert rows["torch"].chosen and not rows["triton"].chosen and rows["triton"].reason
 
 
+def _ids_out_of_range(idx):
+    """The routing with one id below the range and one above it (the drawn ids alone need not reach 0 or E - 1)."""
+    idx = idx.clone()
+    idx[0, 0], idx[1, 1] = -1, 6
+    return idx
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda x, i, w, gu, dn: _api()(x, i, w, gu, dn, act="gelu"), r"act must be one of 'silu'.*got 'gelu'"),
     (lambda x, i, w, gu, dn: _api()(x, i, w, gu[:, :7], dn), r"gate_up_proj must be \[E, 2I, H\].*got \(4, 7, 8\)"),
@@ -558,7 +565,8 @@ def test_candidate_rules():
     (lambda x, i, w, gu, dn: _api()(x, i.float(), w, gu, dn), r"top_k_index has dtype float32; allowed: int64"),
     (lambda x, i, w, gu, dn: _api()(x, i[:2], w, gu, dn), r"top_k_index must be \[N, k\] = \[5, k\].*got \(2, 2\)"),
     (lambda x, i, w, gu, dn: _api()(x, i, w[:, :1], gu, dn), r"top_k_weights must have top_k_index's shape \(5, 2\)"),
-    (lambda x, i, w, gu, dn: _api()(x, i + 3, w, gu, dn), r"expert ids in \[0, 4\), got values in \[3, [4-6]\]"),
+    (lambda x, i, w, gu, dn: _api()(x, _ids_out_of_range(i), w, gu, dn),
+     r"expert ids in \[0, 4\), got values in \[-1, 6\]"),
     (lambda x, i, w, gu, dn: _api()(x[None], i, w, gu, dn), r"hidden must have 2 dimensions"),
     (lambda x, i, w, gu, dn: _api()(x, i, w, gu, dn, bogus=1), r"unexpected keyword.*'bogus'"),
 ])

@@ -37,8 +37,18 @@ def _check(fn, gate, up, tol):
     ref.backward(dy.double())
     assert out.dtype == gate.dtype and out.shape == gate.shape
     assert_rel_close(out, ref, tol, "out")
-    assert_rel_close(g.grad, g64.grad, tol, "dgate")
     assert_rel_close(u.grad, u64.grad, tol, "dup")
+    # dgate = dy * up * (s + x s (1 - s)), s = sigmoid(x): the two terms cancel near silu's minimum (x = -1.278), where
+    # an element's relative error is unbounded at the rounding of its terms (a lone gate of -1.27 was 8.5e-6 off, all
+    # of it fp32 rounding). Each element is held to tol times the size of its terms, plus fp32's smallest normal
+    # number at their scale for the sigmoid's underflow at x << 0.
+    x = g64.detach()
+    s = torch.sigmoid(x)
+    scale = (dy.double() * u64.detach()).abs()
+    bound = tol * scale * (s + x.abs() * s * (1 - s)) + scale * (1 + x.abs()) * torch.finfo(torch.float32).tiny
+    assert torch.isfinite(g.grad).all(), "dgate: non-finite values"
+    excess = ((g.grad.double() - g64.grad).abs() - bound).max().item() if g.grad.numel() else 0.0
+    assert excess <= 0, f"dgate: an element's error exceeds {tol:.1e} x the size of its terms by {excess:.3e}"
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 33), (3, 5, 33), (4, 1500), (2, 512)])

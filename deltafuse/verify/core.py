@@ -402,10 +402,11 @@ def _settle_with_float64(result: VerifyResult, model, call, rows, device, baseli
     """A float64 run of the stock model decides the tensors that failed both criteria, by ``float64_verdict``:
     each passes ("float64") when deltafuse's result is no farther from the float64 one than F64_SLACK[dtype] times
     stock's, or within rtol of it (``rel`` metric, float64 as the reference), or, as a gradient this precision does
-    not resolve, within the floor of it (``result.f64_atol``). ``ours`` / ``stock``: name -> tensor, as compared.
-    In 16 bits the float64 run takes stock's experts (``routing``), as the deltafuse run did. The copy costs twice
-    the model's fp32 memory (four times its 16-bit memory), so it runs only when needed; where it cannot,
-    ``result.float64`` says why."""
+    not resolve, within the floor of it (``result.f64_atol``); where stock's gradients overflowed, also within the
+    floor of it while rel <= FLOOR_REL (the floor's own test, which stock's result could not serve). ``ours`` /
+    ``stock``: name -> tensor, as compared. In 16 bits the float64 run takes stock's experts (``routing``), as the
+    deltafuse run did. The copy costs twice the model's fp32 memory (four times its 16-bit memory), so it runs only
+    when needed; where it cannot, ``result.float64`` says why."""
     from deltafuse.integrations.transformers import stock as stock_paths
     from deltafuse.verify.float64 import Float64Everywhere, float64_copy
 
@@ -445,9 +446,11 @@ def _settle_with_float64(result: VerifyResult, model, call, rows, device, baseli
         got = ours[c.name]
         lost = not got.any().item() and mine.ref_max >= torch.finfo(got.dtype).tiny
         verdict = float64_verdict(mine.rel, mine.max_abs, theirs.rel, F64_SLACK[dtype], result.rtol,
-                                  atol if c.name.startswith("grad ") else 0.0, mine.ref_max, lost)
+                                  atol if c.name.startswith("grad ") else 0.0, mine.ref_max, lost,
+                                  floor=not math.isfinite(result.atol))
         if verdict:
-            c.ok, c.passed_on, c.unresolved = True, "float64", verdict == "unresolved"
+            c.ok, c.passed_on = True, "float64"
+            c.unresolved, c.f64_floor = verdict == "unresolved", verdict == "floor"
     settled = sum(c.passed_on == "float64" for c in failed)
     result.float64 = f"a float64 run judged {len(failed)} tensor(s) that failed both, {settled} passed"
 

@@ -15,7 +15,9 @@ A tensor passes on one of three criteria, and the report says which:
   bits 1.5x stock's: both carry their own roundings), or within ``rtol`` of it; or, for a parameter gradient that
   the run's precision does not resolve (stock's own result over FLOOR_REL of its size from float64, or the float64
   one under the floor), when deltafuse's is within the absolute floor of the float64 one and not a dropped
-  gradient (``float64_verdict``). Stock's own result can be the
+  gradient (``float64_verdict``). Where stock's gradients overflowed (an fp16 backward; the floor is then NaN), the
+  floor comes from the float64 run's gradients and a gradient also passes within it of the float64 one while
+  ``rel <= FLOOR_REL``. Stock's own result can be the
   inaccurate one: its torch GDN's gate gradients were 1.5x and 1.9x their own size from float64 on one fresh
   tiny-moe model in fp32 (deltafuse's 4e-6), up to 1.8x on fresh tiny models in bf16.
 """
@@ -46,7 +48,7 @@ F64_SLACK = {torch.float32: 1.0, torch.bfloat16: 1.5, torch.float16: 1.5}
 
 
 def float64_verdict(mine: float, mine_abs: float, theirs: float, slack: float, rtol: float, atol: float,
-                    exact_max: float = math.inf, lost: bool = False) -> str:
+                    exact_max: float = math.inf, lost: bool = False, floor: bool = False) -> str:
     """How a tensor that failed rel and the floor fares against a float64 run: "closer" when deltafuse's distance
     from it (``mine``, the rel metric) is at most ``slack`` times stock's (``theirs``) or ``rtol``; "unresolved"
     (parameter gradients: ``atol > 0``) when the run's precision does not resolve the tensor, because stock's own
@@ -54,6 +56,9 @@ def float64_verdict(mine: float, mine_abs: float, theirs: float, slack: float, r
     (``exact_max <= atol``), and deltafuse's is within the floor of it (``mine_abs <= atol``: the floor's test,
     against the exact value instead of stock's); "" when it still fails, and always when deltafuse's is all zeros
     where the float64 one reaches the run's dtype's normal range (``lost``: a dropped gradient, not an underflow).
+    With ``floor`` (stock's gradients overflowed, so the floor could not be applied against stock's result), a
+    parameter gradient also passes on the floor against the float64 one: "floor" when ``mine_abs <= atol`` while
+    ``mine <= FLOOR_REL``, the test a healthy run applies against stock.
 
     Measured: an H100's fp32 run of a fresh tiny-moe model left a layer's A_log / dt_bias gradients (1.5e-7 and
     2.6e-7 of the largest gradient) 2.1x and 2.3x their size from float64 in stock's run and 3.2x and 3.4x in
@@ -70,6 +75,8 @@ def float64_verdict(mine: float, mine_abs: float, theirs: float, slack: float, r
         return "closer"
     if atol > 0 and (theirs > FLOOR_REL or exact_max <= atol) and mine_abs <= atol:
         return "unresolved"
+    if floor and atol > 0 and mine_abs <= atol and mine <= FLOOR_REL:
+        return "floor"
     return ""
 
 
@@ -85,11 +92,12 @@ class Comparison:
     # "empty"; "" when it failed
     passed_on: str = ""
     # against the float64 run (tensors that failed rel and floor): deltafuse's rel and stock's, deltafuse's max_abs,
-    # and whether it passed as unresolved (``float64_verdict``)
+    # and whether it passed as unresolved or on the floor against it (``float64_verdict``)
     f64_rel: float | None = None
     stock_f64_rel: float | None = None
     f64_abs: float | None = None
     unresolved: bool = False
+    f64_floor: bool = False
 
     def __post_init__(self):
         if self.ok and not self.passed_on:
@@ -185,6 +193,10 @@ class VerifyResult:
                          f"{than}, or within rel {self.rtol:g} of it, or, for a gradient the run's precision does not "
                          f"resolve (stock over {self.floor_rel:g} of its size from float64, or float64 under the "
                          f"floor), within the floor of float64 ({self.float64})")
+            if not math.isfinite(self.atol) and self.f64_atol is not None:
+                lines.append(f"  stock's gradients overflowed: the floor is {self.f64_atol:.3g} ({self.atol_scale:g} x "
+                             f"the largest float64 gradient value), applied against the float64 run while rel <= "
+                             f"{self.floor_rel:g}, and stock's non-finite results bound nothing")
         return lines
 
     def _relative_size(self, c: Comparison) -> str:
@@ -197,6 +209,9 @@ class VerifyResult:
             if c.passed_on == "float64" and c.unresolved:
                 return (f"float64, unresolved (stock {c.stock_f64_rel:.1e} of its size from it; deltafuse "
                         f"{c.f64_abs:.1e} from it, within the floor)")
+            if c.passed_on == "float64" and c.f64_floor:
+                return (f"float64, floor (deltafuse {c.f64_abs:.1e} from it, within the floor, rel {c.f64_rel:.1e}; "
+                        f"stock {c.stock_f64_rel:.1e})")
             if c.passed_on == "float64":
                 return f"float64 (deltafuse {c.f64_rel:.1e} from it, stock {c.stock_f64_rel:.1e})"
             return {"rel": "rel", "floor": "floor", "both None": "yes (no grad on either side)",
@@ -226,6 +241,7 @@ class VerifyResult:
             parts.append(f"{len(exact)} settled by a float64 run of stock (distance from it, deltafuse's vs stock's: "
                          + ", ".join(f"{c.name} {c.f64_rel:.1e} vs {c.stock_f64_rel:.1e}"
                                      + (" (unresolved, within the floor)" if c.unresolved else "")
+                                     + (" (within the floor)" if c.f64_floor else "")
                                      for c in exact[:4])
                          + (f" and {len(exact) - 4} more" if len(exact) > 4 else "") + ")")
         others = len(self.passed_on("both None")) + len(self.passed_on("empty"))

@@ -200,7 +200,8 @@ class VerifyResult:
         return lines
 
     def _relative_size(self, c: Comparison) -> str:
-        if not self.grad_scale or not math.isfinite(c.ref_max):
+        # (no size where stock's gradients overflowed: the largest one is not finite)
+        if not self.grad_scale or not math.isfinite(self.grad_scale) or not math.isfinite(c.ref_max):
             return ""
         return f"{c.ref_max / self.grad_scale:.1e}"
 

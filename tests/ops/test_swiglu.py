@@ -39,7 +39,7 @@ def _check(fn, gate, up, tol):
     assert_rel_close(out, ref, tol, "out")
     assert_rel_close(u.grad, u64.grad, tol, "dup")
     # dgate = dy * up * (s + x s (1 - s)), s = sigmoid(x): the two terms cancel near silu's minimum (x = -1.278), where
-    # an element's relative error is unbounded at the rounding of its terms (a lone gate of -1.27 was 8.5e-6 off, all
+    # an element's relative error is unbounded at the rounding of its terms (a lone gate of -1.284 was 8.5e-6 off, all
     # of it fp32 rounding). Each element is held to tol times the size of its terms, plus fp32's smallest normal
     # number at their scale for the sigmoid's underflow at x << 0.
     x = g64.detach()

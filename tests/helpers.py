@@ -127,6 +127,19 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, n
             f"{name}: max abs error {worst:.3e} > {peak:g} * {tol:.1e} * rms(reference) {scale:.3e}")
 
 
+def assert_within_term_sizes(actual: torch.Tensor, expected: torch.Tensor, size: torch.Tensor, tol: float,
+                             name: str = "tensor") -> None:
+    """Assert every element of ``actual`` is finite and within ``tol`` times ``size`` (float64: the size of the terms
+    the element sums, e.g. sum |a_i b_i| for a dot product) of the reference ``expected``: for elements whose terms
+    can cancel, where a relative error is unbounded at the rounding of the terms."""
+    assert actual.shape == expected.shape == size.shape, f"{name}: shapes differ"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values"
+    if actual.numel():
+        err = (actual.detach().double().cpu() - expected.detach().double().cpu()).abs()
+        excess = (err - tol * size.detach().double().cpu()).max().item()
+        assert excess <= 0, f"{name}: an element's error exceeds {tol:.1e} x the size of its terms by {excess:.3e}"
+
+
 def triton_kernel_module(name: str, kernel: str):
     """The Triton kernel module ``name`` (a dotted path); skips the test when Triton does not import, or when there
     is no CUDA and the module's jit function ``kernel`` was compiled for a GPU (TRITON_INTERPRET=1 was not set

@@ -35,14 +35,29 @@ MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
                  "pytorch_model.bin.index.json")
 
 
+def _state_is_complete(checkpoint: str) -> bool:
+    """The checkpoint's trainer_state.json exists and holds an integer global_step.
+
+    The Trainer writes that file last, so a save cut off before it leaves none, and a kill while it is being
+    written leaves it empty or truncated: either way the checkpoint is incomplete.
+    """
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as fh:
+            state = json.load(fh)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    step = state.get("global_step") if isinstance(state, dict) else None
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0
+
+
 def checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of the checkpoint-N folders holding a trainer_state.json, by step."""
+    """(step, path) of the checkpoint-N folders holding a complete trainer_state.json, by step."""
     if not os.path.isdir(output_dir):
         return []
     found = []
     for name in os.listdir(output_dir):
         m = CHECKPOINT_RE.match(name)
-        if m and os.path.isfile(os.path.join(output_dir, name, "trainer_state.json")):
+        if m and _state_is_complete(os.path.join(output_dir, name)):
             found.append((int(m.group(1)), os.path.join(output_dir, name)))
     return sorted(found)
 
@@ -290,21 +305,20 @@ def check_resume_compatible(args, plan: OutputPlan) -> None:
 
 
 def _incomplete(output_dir: str, after: int = -1) -> list[str]:
-    """checkpoint-N folders without trainer_state.json (the Trainer writes it last: a save that was cut off)."""
+    """checkpoint-N folders without a complete trainer_state.json (the Trainer writes it last: a save cut off)."""
     if not os.path.isdir(output_dir):
         return []
     out = []
     for name in os.listdir(output_dir):
         m = CHECKPOINT_RE.match(name)
-        if m and int(m.group(1)) > after and not os.path.isfile(os.path.join(output_dir, name,
-                                                                            "trainer_state.json")):
+        if m and int(m.group(1)) > after and not _state_is_complete(os.path.join(output_dir, name)):
             out.append((int(m.group(1)), name))
     return [n for _, n in sorted(out)]
 
 
 def _incomplete_note(output_dir: str) -> str:
     cut = _incomplete(output_dir)
-    return f"; {', '.join(cut)} {'has' if len(cut) == 1 else 'have'} no trainer_state.json: a save cut off" if cut \
+    return f"; {', '.join(cut)} {'has' if len(cut) == 1 else 'have'} no complete trainer_state.json: a save cut off" if cut \
         else ""
 
 

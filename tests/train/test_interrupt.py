@@ -244,11 +244,21 @@ def test_every_state_a_run_leaves_has_one_way_forward(finished, tmp_path, capsys
     line = refused(base, capsys)
     assert f"holds an unfinished run (latest checkpoint {c2}, step 2); pass --resume latest to continue it" in line
 
-    os.remove(os.path.join(c2, "trainer_state.json"))  # killed while saving: the Trainer writes the state last
-    line = refused(base, capsys)
-    assert f"(latest checkpoint {c1}, step 1; checkpoint-2 has no trainer_state.json: a save cut off)" in line
-    plan = outdir.plan_output_dir(d, overwrite=False, resume="latest")
-    assert plan.resume_from == c1 and plan.skipped == ["checkpoint-2"]
+    state2 = os.path.join(c2, "trainer_state.json")  # the Trainer writes the state last
+    text = open(state2).read()
+    # killed while saving: before the state was written (no file), or while it was (empty or cut short)
+    for cut in (None, "", text[:len(text) // 2], '{"global_step": "2"}'):
+        if cut is None:
+            os.remove(state2)
+        else:
+            with open(state2, "w") as fh:
+                fh.write(cut)
+        line = refused(base, capsys)
+        assert f"(latest checkpoint {c1}, step 1; checkpoint-2 has no complete trainer_state.json: a save cut off)" \
+            in line, (cut, line)
+        plan = outdir.plan_output_dir(d, overwrite=False, resume="latest")
+        assert plan.resume_from == c1 and plan.skipped == ["checkpoint-2"], cut
+        assert [p for _, p in outdir.checkpoints(d)] == [c1]
 
     for name in ("checkpoint-1", "checkpoint-2"):  # killed before any checkpoint: arguments and metrics only
         shutil.rmtree(os.path.join(d, name))

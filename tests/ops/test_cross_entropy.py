@@ -21,7 +21,8 @@ from deltafuse.models import TINY_NAMES
 from deltafuse.ops.cross_entropy import driver
 from deltafuse.ops.cross_entropy.naive import naive_linear_cross_entropy
 from tests.helpers import (  # noqa: E402
-    DEVICE, INTERPRETED, assert_rel_close, gpu, input_gen, input_seed, needs_cuda, rel_rms, triton_kernel_module,
+    DEVICE, INTERPRETED, assert_rel_close, assert_within_term_sizes, gpu, input_gen, input_seed, needs_cuda, rel_rms,
+    triton_kernel_module,
 )
 
 OP = ce_backends.FUSED_LINEAR_CROSS_ENTROPY
@@ -364,12 +365,26 @@ def test_triton_chunk_step_matches_torch(V):
     t = torch.randint(0, V, (6,), generator=gen).to(DEVICE)
     t[1] = -100
     scale = torch.tensor([0.5, 0.0, 0.25, 1.0, 2.0, 0.5], device=DEVICE)
-    r_ref, g_ref = driver.chunk_softmax_grad_torch(x.clone(), t, -100, scale)
+    r_ref, g_ref = driver.chunk_softmax_grad_torch(x.double(), t, -100, scale.double())  # the float64 step
     buf = x.clone()
     r, g = k.chunk_softmax_grad_triton(buf, t, -100, scale)
     assert g.data_ptr() == buf.data_ptr(), "the gradient is written over the logits in place"
-    assert_rel_close(r, r_ref, 1e-6, "row losses")
-    assert_rel_close(g, g_ref, 1e-6, "dlogits")
+    # Each element against the float64 step, within a few fp32 roundings of its terms: x - lse is rounded at the
+    # size of |x| + |lse| (lse itself from a sum of V exponentials), so p = exp(x - lse) carries that absolute error
+    # as a relative one (the old fp32-vs-fp32 peak check failed on a probability of 0.6 off by 1.2e-6 relative).
+    # The torch fp32 step and the kernel stay within 0.9 roundings of these sizes over 300 draws of the three V.
+    xd, valid = x.double(), t != -100
+    lse = torch.logsumexp(xd, dim=-1, keepdim=True)
+    terms = xd.abs() + 2 * lse.abs() + math.log2(V) + 4
+    onehot = torch.zeros_like(xd)
+    onehot[valid, t[valid]] = 1.0
+    g_size = scale.double().abs()[:, None] * ((xd - lse).exp() * terms + onehot)
+    x_t = xd.gather(1, torch.where(valid, t, 0)[:, None])
+    r_size = valid.double() * (lse.abs() + x_t.abs() + math.log2(V) + 4)[:, 0]
+    fp32_rounding = 2.0 ** -24
+    assert_within_term_sizes(r, r_ref, r_size, 4 * fp32_rounding, "row losses")
+    assert_within_term_sizes(g, g_ref, g_size, 4 * fp32_rounding, "dlogits")
+    assert torch.all(r[~valid] == 0) and torch.all(g[~valid] == 0)
     r2, none = k.chunk_softmax_grad_triton(x.clone(), t, -100, None)
     assert none is None and torch.equal(r2, r)
 

@@ -428,7 +428,8 @@ def _start_output(run: _Run) -> None:
             json.dump(vars(args), fh, indent=2, default=str)
     if plan.resume_from is not None:
         if plan.skipped:
-            _say(f"resume: skipping {', '.join(plan.skipped)} (no complete trainer_state.json: a save that was cut off)")
+            _say(f"resume: skipping {', '.join(plan.skipped)} "
+                 "(no complete trainer_state.json: a save that was cut off)")
         _say(f"resuming from {plan.resume_from}" + ("" if plan.in_place else f" (history: {len(plan.history)} step "
                                                                                f"records of {plan.source_run})"))
 

@@ -318,8 +318,9 @@ def _incomplete(output_dir: str, after: int = -1) -> list[str]:
 
 def _incomplete_note(output_dir: str) -> str:
     cut = _incomplete(output_dir)
-    return f"; {', '.join(cut)} {'has' if len(cut) == 1 else 'have'} no complete trainer_state.json: a save cut off" if cut \
-        else ""
+    if not cut:
+        return ""
+    return f"; {', '.join(cut)} {'has' if len(cut) == 1 else 'have'} no complete trainer_state.json: a save cut off"
 
 
 def describe_occupied(output_dir: str) -> str:

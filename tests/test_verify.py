@@ -187,12 +187,24 @@ def test_no_float64_run_when_nothing_failed(monkeypatch):
     assert not made
 
 
+def _settled_by_a_route(c, result, dtype: torch.dtype) -> bool:
+    """A tensor the float64 run passed meets one of ``float64_verdict``'s routes: no farther from float64 than
+    F64_SLACK times stock's (or within rtol of it), or a parameter gradient the run does not resolve within the floor
+    of float64, or (stock's gradients overflowed) within that floor while rel <= FLOOR_REL."""
+    overflowed = not math.isfinite(result.atol)
+    return (c.f64_rel <= max(verify.F64_SLACK[dtype] * c.stock_f64_rel, result.rtol)
+            or (c.unresolved and c.f64_abs <= result.f64_atol)
+            or (overflowed and c.f64_floor and c.f64_abs <= result.f64_atol and c.f64_rel <= result.floor_rel))
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_float64_run_settles_16_bit_tensors_routed_as_stock(monkeypatch, dtype):
     """In 16 bits too a float64 run settles a tensor where stock is the inaccurate side (on fresh tiny models in
     bf16 stock's torch GDN left gate gradients 1.2x-1.8x their size from float64, deltafuse's 0.015-1.0 and
-    verify failed). Each settled tensor is within F64_SLACK (1.5) of stock's distance; the float64 run takes
-    stock's experts and is not counted in the routing report."""
+    verify failed). Each settled tensor meets one of the float64 routes: the skewed one within F64_SLACK (1.5) of
+    stock's distance, others possibly as unresolved (on one draw with transformers 5.9 a layer's dt_bias gradient,
+    1.8e-7 at most, under the floor, passed so at 1.9x its size from float64, stock's 0.11x). The float64 run
+    takes stock's experts and is not counted in the routing report."""
     # (a GDN tensor whose fp16 gradient never underflows: a gate gradient can be all zeros there, unchanged by -1)
     name = "model.layers.0.linear_attn.conv1d.weight"
     _skew_stock_gradient(monkeypatch, name, -1.0)
@@ -206,7 +218,7 @@ def test_float64_run_settles_16_bit_tensors_routed_as_stock(monkeypatch, dtype):
     slack = verify.F64_SLACK[torch_dtype]
     assert slack == 1.5 and verify.F64_SLACK[torch.float32] == 1.0
     settled = {c.name: c for c in result.passed_on("float64")}
-    assert all(c.f64_rel <= max(slack * c.stock_f64_rel, result.rtol) for c in settled.values())
+    assert all(_settled_by_a_route(c, result, torch_dtype) for c in settled.values()), settled
     c = settled[f"grad {name}"]
     assert c.rel > result.rtol and c.stock_f64_rel > 1.5 and c.f64_rel < 0.5
     assert f"1.5x stock's {result.dtype} result" in result.format()
@@ -224,11 +236,8 @@ def test_16_bit_verify_passes_on_fresh_models(name, dtype):
     an A_log gradient under the floor that neither run resolved (``test_float64_verdict``)."""
     result = verify.verify_model(name, dtype=dtype, seed=input_seed("seed") % 100_000)
     assert result.ok, result.format()
-    overflowed = not math.isfinite(result.atol)
-    for c in result.passed_on("float64"):  # closer than stock, or unresolved, or (stock overflowed) on the floor
-        assert (c.f64_rel <= max(verify.F64_SLACK[verify.DTYPES[dtype]] * c.stock_f64_rel, result.rtol)
-                or (c.unresolved and c.f64_abs <= result.f64_atol)
-                or (overflowed and c.f64_floor and c.f64_abs <= result.f64_atol and c.f64_rel <= result.floor_rel)), c
+    for c in result.passed_on("float64"):
+        assert _settled_by_a_route(c, result, verify.DTYPES[dtype]), c
     if not math.isfinite(result.atol):  # stock's fp16 backward overflowed (seen with transformers 5.9)
         assert result.float64 and math.isfinite(result.f64_atol) and result.f64_atol > 0
 

@@ -163,8 +163,8 @@ def test_two_ranks_equal_stock_per_sequence(tmp_path):
     # over every token that cancel) carry a bf16 error that swings with the draw on both sides. Over 24 draws the
     # ratio of deltafuse's error to stock's had a median of 0.86 (A_log) and 0.92 (dt_bias), a log standard
     # deviation of 1.4, and reached 23x and 16x (another draw: dt_bias 0.28 from float64, stock's 0.025); in_proj_a,
-    # in_proj_b and conv1d at most 2.1x. The fp32 cases above hold them to float64, the aggregate below holds them
-    # in bf16, and tests/integrations/test_autocast.py holds their median ratio over 24 draws on one process.
+    # in_proj_b and conv1d at most 2.1x. The fp32 cases above judge them against float64, the bf16 aggregate below
+    # includes them, and tests/integrations/test_autocast.py bounds their median ratio over 24 draws (one process).
     names = [n for n, g in exact_grads.items() if g is not None]
     for n in names:
         if n.endswith(("A_log", "dt_bias")):

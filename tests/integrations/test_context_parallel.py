@@ -177,12 +177,12 @@ def test_two_ranks_equal_stock_per_sequence(tmp_path):
     assert ours_err <= 1.5 * stock_err + 2e-3, (ours_err, stock_err)
     for off in ("relay", "halo"):
         broken = results[f"tiny, {off} off"]
-        # the exchange matters: without it the comparisons above fail. Measured over 8 draws of the tiny model:
-        # without the relay the largest relative gradient change is 0.3 - 3.9 and the logits' 1.3e-5 - 4e-2 of the
-        # largest (the state reaches the second rank's tokens only as far as the draw's gates let it: some draws'
-        # forget nearly all of it at the edge, so the logits alone may not show it); without the halo 0.5 - 2.0 and
-        # 8e-2 - 1.7e-1. Against the float64 run (not stock's fp32 one, whose own gate gradients can be as far off),
-        # over 24 draws: relay off 0.069 - 18, halo off 0.39 - 21, the healthy fp32 run at most 1.2e-5.
+        # the exchange matters: without it the comparisons above fail. The largest relative gradient error against
+        # the float64 run (not stock's fp32 one, whose own gate gradients can be as far off) over 24 draws of the
+        # tiny model: relay off 0.069 - 18, halo off 0.39 - 21, the healthy fp32 run at most 1.2e-5. The logits
+        # moved 1.3e-5 - 4e-2 of the largest without the relay over 8 draws (the state reaches the second rank's
+        # tokens only as far as the draw's gates let it, so the logits alone may not show it), 8e-2 - 1.7e-1
+        # without the halo.
         worst = max(rel_max(broken["grads"][n], exact_grads[n]) for n in names)
         assert worst > CHANGED, (off, worst)
         with pytest.raises(AssertionError, match="from float64, allowed"):  # and the accuracy check sees it
